@@ -29,8 +29,236 @@ def main() -> None:
 
 # Commands register themselves below, one section per area of the data flow.
 # ---- checkpoints: make-checkpoint ------------------------------------------
+@main.command("make-checkpoint")
+@click.option("--family", type=click.Choice(["qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3"]),
+              default="qwen3_5_moe", show_default=True, help="Model family: sets architecture, config keys and tensor names.")
+@click.option("--format", "fmt", type=click.Choice(["fp8_block", "fp8_channel", "bf16"]), default="fp8_block",
+              show_default=True, help="Expert weight format (fp8_block: 128x128 weight_scale_inv; fp8_channel: weight_scale).")
+@click.option("--fused", is_flag=True, help="BF16 only: write fused 3-D mlp.experts.gate_up_proj/down_proj (Qwen3.5 BF16 layout).")
+@click.option("--layers", type=int, default=2, show_default=True, help="num_hidden_layers, dense layers included.")
+@click.option("--experts", type=int, default=8, show_default=True, help="Routed experts per MoE layer.")
+@click.option("--hidden", type=int, default=256, show_default=True, help="hidden_size.")
+@click.option("--intermediate", type=int, default=256, show_default=True,
+              help="moe_intermediate_size; I/TP must be a multiple of 128 for fp8_block.")
+@click.option("--scale-dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="bfloat16",
+              show_default=True, help="Stored dtype of FP8 scales (SGLang holds them as float32).")
+@click.option("--files", type=int, default=2, show_default=True, help="Safetensors files; >1 writes model.safetensors.index.json.")
+@click.option("--dense-layers", type=int, default=0, show_default=True,
+              help="Leading dense layers (first_k_dense_replace / mlp_only_layers).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Changes every value (synthetic_values seed).")
+@click.option("-o", "--out", type=click.Path(file_okay=False), required=True, help="New or empty output directory.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"path": ..., "identity": ...} instead of the path.')
+def make_checkpoint(family, fmt, fused, layers, experts, hidden, intermediate, scale_dtype, files, dense_layers, seed, out,
+                    as_json) -> None:  # fmt: skip
+    """Write a small synthetic MoE checkpoint with real names, dtypes and layout.
+
+    Every expert element is a known function of (layer, expert, projection, row,
+    column) (moetrace.checkpoints.synthetic.synthetic_values), so expected TP
+    shards and wrong-expert bytes can be checked without real weights.
+
+    \b
+    Example:
+      moetrace make-checkpoint --family qwen3_5_moe --format fp8_block \\
+          --experts 16 --intermediate 512 --files 3 -o /tmp/qwen35-tiny
+    """
+    # Imported here so `moetrace --help` does not pay for torch/safetensors.
+    import json
+
+    from moetrace.checkpoints.reader import open_checkpoint
+    from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
+
+    path = write_synthetic_checkpoint(
+        out, family=family, fmt=fmt, num_layers=layers, num_experts=experts, hidden=hidden, intermediate=intermediate,
+        scale_dtype=scale_dtype, num_files=files, dense_layers=dense_layers, seed=seed, fused=fused,
+    )  # fmt: skip
+    if as_json:
+        with open_checkpoint(path) as ckpt:
+            click.echo(json.dumps({"path": str(path), "identity": ckpt.identity}))
+    else:
+        click.echo(str(path))
+
+
 # ---- tracer: index ----------------------------------------------------------
+
+
+@main.command("index")
+@click.argument("checkpoint", type=click.Path(file_okay=False, path_type=str))
+@click.option("--tp", "tp_size", type=click.IntRange(min=1), required=True, help="Tensor-parallel size of the server.")
+@click.option("--ep", "ep_size", type=click.IntRange(min=1), default=1, show_default=True, help="Expert-parallel size.")
+@click.option("--layers", default=None, help="MoE layers to index, e.g. 0,2,5-7 (default: all MoE layers).")
+@click.option("--up-first", is_flag=True, help="w13 holds up rows before gate rows (flashinfer-trtllm runner).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where to fingerprint; the digests are bit-identical on both.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str), help="Index Parquet file to write.")
+@click.option("--no-cache", is_flag=True, help="Rebuild even if the cache holds this index.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of text; no progress bar.")
+def index_cmd(checkpoint, tp_size, ep_size, layers, up_first, device, output, no_cache, as_json):
+    """Fingerprint the TP shard every rank must hold, per the checkpoint.
+
+    \b
+    Example:
+      moetrace index ./Qwen3.5-122B-A10B-FP8 --tp 2 -o index.parquet
+    """
+    import json
+    import time
+
+    from moetrace.tracer import index as ix
+
+    wanted = ix.parse_layers(layers)
+    stats = ix.IndexStats()
+    t0 = time.perf_counter()
+    show_bar = not as_json and sys.stderr.isatty()
+    from moetrace.checkpoints.reader import open_checkpoint
+
+    spec = open_checkpoint(checkpoint).spec
+    n_units = len(wanted if wanted is not None else spec.moe_layers) * tp_size
+    with click.progressbar(length=n_units, label="fingerprinting", file=sys.stderr) if show_bar else _NullBar() as bar:
+        if no_cache:
+            table = ix.build_index(checkpoint, tp_size, ep_size, wanted, up_first, device, bar.update, stats)
+            path, reused = ix.write_index(table, output), False
+        else:
+            cached, reused = ix.cached_index(checkpoint, tp_size, ep_size, wanted, up_first, device, bar.update, stats)
+            path = ix.copy_index(cached, output)
+    meta = ix.index_metadata(path)
+    summary = {
+        "index": str(path),
+        "checkpoint_id": meta["checkpoint_id"],
+        "rows": ix.read_index(path, columns=["layer"]).num_rows,
+        "tp_size": tp_size,
+        "ep_size": ep_size,
+        "layers": meta["layers"],
+        "reused_cache": reused,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "bytes_fingerprinted": stats.bytes_fingerprinted,
+    }
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        how = "reused cached index" if reused else f"fingerprinted {stats.bytes_fingerprinted / 1e6:.1f} MB"
+        click.echo(f"wrote {summary['rows']} rows to {path} ({how}, {summary['seconds']} s, checkpoint {summary['checkpoint_id']})")
+
+
+class _NullBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n):
+        pass
+
 # ---- hooks: hook-spec, launch -----------------------------------------------
+def _capture_options(f):
+    """Options shared by hook-spec and launch: they become the hook config."""
+    opts = [
+        click.option("-o", "--out", required=True, help="Trace output: a folder or a pyarrow/fsspec URL (file://, s3://...)."),
+        click.option("--run-id", default=None, help="Run id (folder under OUT); default: a new timestamped id."),
+        click.option("--checkpoint-id", default=None, help="Checkpoint identity to record (default: the index's, if --index)."),
+        click.option("--layers", default=None, help="MoE layers to capture, e.g. 0,2,40-47 (default: all)."),
+        click.option("--experts", default=None, help="Global expert ids to capture, e.g. 0-15 (default: all)."),
+        click.option("--tensors", default=None, help="Param names to capture, e.g. w2_weight,w2_weight_scale_inv (default: all)."),
+        click.option("--sources", default=None, help="resident, staged or both (default: resident,staged)."),
+        click.option("--every", "every_n_steps", type=click.IntRange(min=1), default=None, help="Capture every Nth step (default 1)."),
+        click.option("--first", "first_n_steps", type=click.IntRange(min=0), default=None,
+                     help="Capture steps 0..N-1 only, then close the trace (default: all steps)."),
+        click.option("--index", default=None, help="Index Parquet (moetrace index) for online verification."),
+        click.option("--chunk-fps", type=click.Choice(["all", "mismatch", "none"]), default=None,
+                     help="Rows that record chunk fingerprints (default all; mismatch needs --index)."),
+        click.option("--dump-max-count", type=click.IntRange(min=0), default=None,
+                     help="Dump up to N mismatching tensors as safetensors (needs --index; default 0)."),
+        click.option("--dump-max-bytes", type=click.IntRange(min=0), default=None, help="Byte cap of all dumps (default 256 MiB)."),
+        click.option("--queue-size", type=click.IntRange(min=1), default=None, help="Capture batches queued for the writer (default 1024)."),
+        click.option("--max-hook-errors", type=click.IntRange(min=1), default=None,
+                     help="Disable tracing after N errors (default 10)."),
+        click.option("--kt", type=click.Choice(["auto", "on", "off"]), default=None,
+                     help="Wrap KT's SharedFullContext.load (default auto: when the server loaded the KT wrapper)."),
+        click.option("--target", "targets", multiple=True,
+                     help="fnmatch pattern of FusedMoE module names (repeatable; default model.layers.*.mlp.experts "
+                          "and model.language_model.layers.*.mlp.experts)."),
+        click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="JSON file of hook config keys (docs/capture.md); options given here override it."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _capture_config(kw: dict) -> tuple[dict, tuple[str, ...]]:
+    import json
+
+    config: dict = {}
+    path = kw.pop("config_file", None)
+    if path:
+        try:
+            with open(path) as fh:
+                config = json.load(fh)
+        except (OSError, json.JSONDecodeError) as err:
+            raise MoetraceError(f"--config {path}: not a JSON object of hook config keys ({err})") from None
+        if not isinstance(config, dict):
+            raise MoetraceError(f"--config {path}: expected a JSON object of hook config keys")
+    targets = tuple(kw.pop("targets", ()) or ())
+    kt = kw.pop("kt", None)
+    if kt is not None:
+        config["kt"] = {"auto": "auto", "on": True, "off": False}[kt]
+    config.update({k: v for k, v in kw.items() if v is not None})
+    return config, targets
+
+
+@main.command("hook-spec")
+@_capture_options
+@click.option("--pretty", is_flag=True, help="Indent the JSON.")
+def hook_spec_cmd(pretty, **kw):
+    """Print the --forward-hooks JSON that turns capture on in an SGLang server.
+
+    \b
+    Example:
+      python -m sglang.launch_server --model-path M --tp 2 \\
+        --disable-prefill-cuda-graph --disable-decode-cuda-graph \\
+        --forward-hooks "$(moetrace hook-spec --out /data/traces --layers 0-3)"
+    """
+    import json
+
+    from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec
+
+    config, targets = _capture_config(kw)
+    spec = hook_spec(config, targets or DEFAULT_TARGETS)
+    click.echo(json.dumps(spec, indent=2 if pretty else None))
+
+
+@main.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@_capture_options
+@click.option("--sglang-version", default=None,
+              help="SGLang version of the server (picks the CUDA-graph flags); default: the installed sglang's.")
+@click.option("--keep-cuda-graph", is_flag=True,
+              help="Do not add the flags that disable CUDA graphs (hooks then miss graph-replayed steps).")
+@click.option("--close-timeout", type=click.FloatRange(min=0), default=20.0, show_default=True,
+              help="Seconds to wait for the ranks to close their traces before stopping the server.")
+@click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
+def launch_cmd(sglang_version, keep_cuda_graph, close_timeout, server_cmd, **kw):
+    """Run an SGLang server with capture on; finalize the trace when it exits.
+
+    Appends the moetrace --forward-hooks entry and the CUDA-graph flags for the
+    SGLang version, forwards SIGINT/SIGTERM (after asking every rank to close its
+    trace) and writes OUT/<run_id>/run.json. Exits with the server's exit code.
+
+    \b
+    Example:
+      moetrace launch --out /data/traces -- \\
+        python -m sglang.launch_server --model-path Qwen/Qwen3.5-122B-A10B-FP8 --tp 2
+    """
+    from moetrace.hooks.launch import Launcher
+    from moetrace.hooks.spec import DEFAULT_TARGETS
+
+    config, targets = _capture_config(kw)
+    cmd = list(server_cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    launcher = Launcher(cmd, config, sglang_version=sglang_version, disable_cuda_graph=not keep_cuda_graph,
+                        close_timeout_s=close_timeout, echo=lambda m: click.echo(m, err=True), targets=targets or DEFAULT_TARGETS)
+    sys.exit(launcher.run())
+
+
 # ---- analysis: analyze, diff, audit -----------------------------------------
 # ---- emulator: demo, serve ---------------------------------------------------
 # ---- selftest ------------------------------------------------------------------

@@ -1,0 +1,344 @@
+"""Open a HF-style safetensors checkpoint: config.json, the weight map, and sliced
+reads of single tensors.
+
+Headers are parsed here (8-byte little-endian length + JSON) rather than trusted
+to safetensors, so that a truncated or garbled file, or an index naming a tensor
+its file lacks, fails at open with a one-line error naming the file. Tensor data
+is read through `safe_open(...).get_slice(name)[a:b]`, so only the rows a rank
+needs are read, never the whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moetrace.checkpoints.spec import MoESpec, expert_tensor_name, fused_tensor_name, is_ignored, spec_from_config
+from moetrace.errors import MoetraceError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# safetensors itself refuses headers above 100 MB; so do we, before allocating.
+MAX_HEADER_BYTES = 100_000_000
+
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+SCALE_DTYPES = ("F32", "BF16", "F16")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as its file's header describes it."""
+
+    name: str
+    file: Path
+    dtype: str  # safetensors dtype string, e.g. "F8_E4M3"
+    shape: tuple[int, ...]
+    offsets: tuple[int, int]  # data_offsets, relative to the end of the header
+
+
+def read_header(path: str | Path) -> dict[str, TensorInfo]:
+    """Parse and sanity-check a safetensors header; every failure names the file."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise MoetraceError(f"{path}: truncated safetensors file ({size} bytes, no 8-byte header length)")
+            n = int.from_bytes(head, "little")
+            if n > MAX_HEADER_BYTES or n > size - 8:
+                raise MoetraceError(
+                    f"{path}: truncated or not a safetensors file (header length {n} bytes, file has {size} bytes)"
+                )
+            raw = f.read(n)
+    except OSError as err:
+        raise MoetraceError(f"{path}: cannot read ({err.strerror or err})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise MoetraceError(f"{path}: garbled safetensors header JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise MoetraceError(f"{path}: garbled safetensors header (not a JSON object)")
+    data_size = size - 8 - n
+    out: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (a, b) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            ok = (
+                dtype in DTYPE_BYTES
+                and all(isinstance(d, int) and d >= 0 for d in shape)
+                and isinstance(a, int)
+                and isinstance(b, int)
+                and 0 <= a <= b <= data_size
+                and b - a == math.prod(shape) * DTYPE_BYTES[dtype]
+            )
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise MoetraceError(f"{path}: garbled or truncated safetensors header entry for tensor {name}: {entry!r}")
+        out[name] = TensorInfo(name, path, dtype, shape, (a, b))
+    return out
+
+
+def _read_json(path: Path, what: str) -> tuple[dict, bytes]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise MoetraceError(f"{path}: {what} not found") from None
+    except OSError as err:
+        raise MoetraceError(f"{path}: cannot read {what} ({err.strerror or err})") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise MoetraceError(f"{path}: garbled {what}, not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise MoetraceError(f"{path}: garbled {what}, expected a JSON object")
+    return data, raw
+
+
+def _as_slice(r, dim: int, name: str, file: Path) -> slice:
+    """(a, b) or slice(a, b) -> checked slice; safetensors would clamp or raise."""
+    if isinstance(r, slice):
+        if r.step not in (None, 1):
+            raise MoetraceError(f"{name} in {file.name}: strided reads are not supported")
+        a, b = r.start or 0, dim if r.stop is None else r.stop
+    else:
+        a, b = r
+    if not 0 <= a <= b <= dim:
+        raise MoetraceError(f"{name} in {file.name}: range [{a}, {b}) is outside dimension of size {dim}")
+    return slice(a, b)
+
+
+class Checkpoint:
+    """An opened checkpoint. Build with open_checkpoint(path)."""
+
+    def __init__(self, path: Path, config: dict, config_bytes: bytes, spec: MoESpec, tensors: dict[str, TensorInfo]):
+        self.path = path
+        self.config = config
+        self.spec = spec
+        self.tensors = tensors  # name -> TensorInfo, mtp.* / model.visual.* left out
+        self._config_bytes = config_bytes
+        self._handles: dict[Path, object] = {}  # one safe_open per file, reused across reads
+        self._checked: set[str] = set()
+        self._identity: str | None = None
+        # Per-expert weight/scale of this format, or a fused 3-D expert tensor.
+        kinds = f"weight|{spec.scale_suffix}" if spec.scale_suffix else "weight"
+        self._expert_re = re.compile(
+            rf"^{re.escape(spec.prefix)}\.layers\.\d+\.mlp\.experts\."
+            rf"(?:\d+\.(gate|up|down)_proj\.({kinds})|(gate_up|down)_proj)$"
+        )
+
+    # -- metadata ---------------------------------------------------------------
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise MoetraceError(f"{name}: not in the checkpoint at {self.path}") from None
+
+    def file_of(self, name: str) -> Path:
+        return self.info(name).file
+
+    @property
+    def identity(self) -> str:
+        """16 hex digits naming this checkpoint's content: config.json bytes plus each
+        tensor's (name, file, dtype, shape, data offsets). Headers only, so cheap;
+        two checkpoints with equal ids hold the same layout (data is not hashed)."""
+        if self._identity is None:
+            h = hashlib.sha256(self._config_bytes)
+            for name in sorted(self.tensors):
+                t = self.tensors[name]
+                h.update(f"\n{name}\t{t.file.name}\t{t.dtype}\t{list(t.shape)}\t{list(t.offsets)}".encode())
+            self._identity = h.hexdigest()[:16]
+        return self._identity
+
+    # -- validation -------------------------------------------------------------
+    def _expected(self, name: str) -> tuple[tuple[str, ...], list[tuple[int, ...]], str] | None:
+        """(allowed dtypes, allowed shapes, why) for an expert tensor; None otherwise."""
+        m = self._expert_re.match(name)
+        if not m:
+            return None
+        s = self.spec
+        H, I, E = s.hidden_size, s.intermediate_size, s.num_experts
+        sizes = f"hidden_size {H}, moe_intermediate_size {I}"
+        weight_dtype = ("F8_E4M3",) if s.fmt.startswith("fp8") else ("BF16",)
+        proj, kind, fused = m.groups()
+        if fused == "gate_up":
+            return ("BF16",), [(E, 2 * I, H)], f"num_experts {E}, {sizes}"
+        if fused == "down":
+            return ("BF16",), [(E, H, I)], f"num_experts {E}, {sizes}"
+        out, inp = (H, I) if proj == "down" else (I, H)
+        if kind == "weight":
+            return weight_dtype, [(out, inp)], sizes
+        if s.fmt == "fp8_block":
+            bn, bk = s.block
+            return SCALE_DTYPES, [(-(-out // bn), -(-inp // bk))], f"weight [{out}, {inp}] in blocks {list(s.block)}"
+        return SCALE_DTYPES, [(out, 1), (out,)], f"one scale per output channel of weight [{out}, {inp}]"
+
+    def check(self, name: str) -> TensorInfo:
+        """Check an expert tensor's header dtype and shape against the spec (cached)."""
+        t = self.info(name)
+        if name in self._checked:
+            return t
+        want = self._expected(name)
+        if want is not None:
+            dtypes, shapes, why = want
+            if t.dtype not in dtypes or t.shape not in shapes:
+                if t.dtype in dtypes and name.endswith("_scale_inv"):
+                    problem = f"scale shape {list(t.shape)} does not match weight_block_size {list(self.spec.block)}"
+                else:
+                    problem = f"found {t.dtype} {list(t.shape)}"
+                raise MoetraceError(
+                    f"{name} in {t.file.name}: expected {'|'.join(dtypes)} "
+                    f"{' or '.join(str(list(s)) for s in shapes)} ({why}, from config.json), {problem}"
+                )
+        self._checked.add(name)
+        return t
+
+    # -- data -------------------------------------------------------------------
+    def read(self, name: str, rows=None, cols=None) -> torch.Tensor:
+        """Read a tensor, or part of it, as a CPU torch tensor in its stored dtype.
+
+        rows: (a, b) or slice over dim 0, or a tuple of those for the leading dims
+        (e.g. (experts, rows) of a fused 3-D tensor); only those bytes are read.
+        cols: (a, b) or slice over the last dim, taken after reading the rows
+        (rows are contiguous on disk, columns are not).
+        """
+        t = self.check(name)
+        handle = self._handles.get(t.file)
+        if handle is None:
+            try:
+                handle = self._handles[t.file] = safe_open(str(t.file), framework="pt")
+            except Exception as err:  # safetensors raises its own types
+                raise MoetraceError(f"{t.file}: cannot open with safetensors ({err})") from None
+        try:
+            if rows is None:
+                out = handle.get_tensor(name)
+            else:
+                lead = rows if isinstance(rows, tuple) and rows and not isinstance(rows[0], int) else (rows,)
+                if len(lead) > len(t.shape):
+                    raise MoetraceError(f"{name} in {t.file.name}: {len(lead)} row ranges for a {len(t.shape)}-D tensor")
+                index = tuple(_as_slice(r, d, name, t.file) for r, d in zip(lead, t.shape))
+                out = handle.get_slice(name)[index]
+        except MoetraceError:
+            raise
+        except Exception as err:
+            raise MoetraceError(f"{name} in {t.file}: read failed ({err})") from None
+        if cols is not None:
+            c = _as_slice(cols, t.shape[-1], name, t.file)
+            out = out[..., c].contiguous()
+        return out
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r}, {self.spec.arch}, {self.spec.fmt}, id={self.identity})"
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open the checkpoint directory `path`: config.json, the weight map (index or
+    single file), every referenced header, and the spec checked against them."""
+    root = Path(path)
+    if not root.is_dir():
+        raise MoetraceError(f"{root}: checkpoint directory not found")
+    config, config_bytes = _read_json(root / "config.json", "config.json")
+
+    index = root / INDEX_NAME
+    if index.exists():
+        data, _ = _read_json(index, INDEX_NAME)
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise MoetraceError(f"{index}: 'weight_map' must be an object of tensor name -> file name")
+        weight_map = {k: v for k, v in weight_map.items() if not is_ignored(k)}
+        source = index.name
+    elif (root / SINGLE_NAME).exists():
+        weight_map = {k: SINGLE_NAME for k in read_header(root / SINGLE_NAME) if not is_ignored(k)}
+        source = SINGLE_NAME
+    else:
+        raise MoetraceError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+
+    headers: dict[str, dict[str, TensorInfo]] = {}
+    tensors: dict[str, TensorInfo] = {}
+    for name, fname in weight_map.items():
+        if fname not in headers:
+            fpath = root / fname
+            if not fpath.is_file():
+                raise MoetraceError(f"{index}: weight_map maps {name} to {fname}, which does not exist ({fpath})")
+            headers[fname] = read_header(fpath)
+        info = headers[fname].get(name)
+        if info is None:
+            raise MoetraceError(f"{name}: listed in {source} under {fname} but absent from {root / fname}")
+        tensors[name] = info
+
+    spec = spec_from_config(config, root / "config.json", {n: t.dtype for n, t in tensors.items()})
+    _check_expert_coverage(spec, tensors, root)
+    return Checkpoint(root, config, config_bytes, spec, tensors)
+
+
+def _check_expert_coverage(spec: MoESpec, tensors: dict[str, TensorInfo], root: Path) -> None:
+    """Every MoE layer has every expert tensor, and no layer the config calls
+    dense (or no expert id past num_experts) has any: either means the config and
+    the weights disagree, and every expected shard downstream would be wrong."""
+    missing = []
+    for layer in spec.moe_layers:
+        if spec.fused_experts:
+            names = [fused_tensor_name(spec, layer, w) for w in ("gate_up", "down")]
+        else:
+            kinds = ("weight",) if spec.scale_suffix is None else ("weight", "scale")
+            names = [
+                expert_tensor_name(spec, layer, e, p, k)
+                for e in range(spec.num_experts)
+                for p in ("gate", "up", "down")
+                for k in kinds
+            ]
+        missing += [n for n in names if n not in tensors]
+    if missing:
+        raise MoetraceError(
+            f"{root}: {len(missing)} expert tensor(s) expected from config.json are not in the checkpoint, "
+            f"first: {missing[0]}"
+        )
+    pat = re.compile(rf"^{re.escape(spec.prefix)}\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.|gate_up_proj|down_proj)")
+    moe = set(spec.moe_layers)
+    for name in tensors:
+        m = pat.match(name)
+        if not m:
+            continue
+        layer, expert = int(m.group(1)), m.group(2)
+        # Layers at index >= num_layers are extra heads (DeepSeek's MTP layer 61).
+        if layer < spec.num_layers and layer not in moe:
+            raise MoetraceError(
+                f"{name}: config.json makes layer {layer} dense (MoE layers: {_ranges(spec.moe_layers)}) "
+                "but the checkpoint has experts there"
+            )
+        if layer in moe and expert is not None and int(expert) >= spec.num_experts:
+            raise MoetraceError(f"{name}: expert id past config.json's {spec.num_experts} routed experts")
+
+
+def _ranges(ids: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5) -> "0-2,5": keeps 48-layer lists to one short line."""
+    out, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            out.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(out)

@@ -1,0 +1,192 @@
+"""The expert tensors a TP/EP rank of SGLang's FusedMoE holds after loading,
+computed from the checkpoint alone.
+
+Facts this follows (DESIGN.md section 3): moe_tp_size = tp_size // ep_size;
+ep_rank = tp_rank // moe_tp_size, moe_tp_rank = tp_rank % moe_tp_size; a rank
+owns global experts [ep_rank*E/ep, (ep_rank+1)*E/ep). With I_tp = I/moe_tp_size
+and r = moe_tp_rank: w13_weight[e] = gate rows [r*I_tp, (r+1)*I_tp) then up rows
+(up first when the loader flips the order); w2_weight[e] = down columns
+[r*I_tp, (r+1)*I_tp). Block scales follow in whole blocks; scales are held in
+fp32. Per-channel w2 scales are per output row of down, which TP does not split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moetrace.checkpoints.reader import Checkpoint
+from moetrace.checkpoints.spec import MoESpec, expert_tensor_name, fused_tensor_name
+from moetrace.errors import MoetraceError
+from moetrace.tracer.schema import COPY_ORDER_BF16, COPY_ORDER_FP8_BLOCK, COPY_ORDER_FP8_CHANNEL
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How the server splits experts: --tp-size, --ep-size, and whether the MoE
+    runner loads up_proj before gate_proj into w13 (flashinfer-trtllm, or a quant
+    method with load_up_proj_weight_first)."""
+
+    tp_size: int
+    ep_size: int = 1
+    up_first: bool = False
+
+    @property
+    def moe_tp_size(self) -> int:
+        return self.tp_size // self.ep_size
+
+
+def validate_parallel(spec: MoESpec, par: Parallel) -> None:
+    """Refuse what SGLang refuses, with its reason, in one line."""
+    opts = f"(tp_size={par.tp_size}, ep_size={par.ep_size})"
+    if par.tp_size < 1 or par.ep_size < 1:
+        raise MoetraceError(f"tp_size and ep_size must be >= 1 {opts}")
+    if par.tp_size % par.ep_size:
+        raise MoetraceError(f"tp_size {par.tp_size} is not divisible by ep_size {par.ep_size} {opts}")
+    if spec.num_experts % par.ep_size:
+        raise MoetraceError(f"num_experts {spec.num_experts} is not divisible by ep_size {par.ep_size} {opts}")
+    mts = par.moe_tp_size
+    if spec.intermediate_size % mts:
+        raise MoetraceError(
+            f"moe_intermediate_size {spec.intermediate_size} is not divisible by moe_tp_size {mts} "
+            f"= tp_size/ep_size {opts}"
+        )
+    if spec.fmt == "fp8_block":
+        i_tp, (bn, bk) = spec.intermediate_size // mts, spec.block
+        # SGLang's Fp8MoEMethod checks both: w13's output and w2's input per rank
+        # must hold whole quantization blocks.
+        if i_tp % bn:
+            raise MoetraceError(
+                f"The output_size of gate's and up's weight = {i_tp} (moe_intermediate_size "
+                f"{spec.intermediate_size} / moe_tp_size {mts}) is not divisible by weight quantization "
+                f"block_n = {bn} {opts}"
+            )
+        if i_tp % bk:
+            raise MoetraceError(
+                f"The input_size of down's weight = {i_tp} (moe_intermediate_size {spec.intermediate_size} / "
+                f"moe_tp_size {mts}) is not divisible by weight quantization block_k = {bk} {opts}"
+            )
+
+
+def rank_coords(tp_rank: int, par: Parallel) -> tuple[int, int]:
+    """tp_rank -> (moe_tp_rank, ep_rank), as SGLang derives them."""
+    if not 0 <= tp_rank < par.tp_size:
+        raise MoetraceError(f"tp_rank {tp_rank} is outside [0, tp_size={par.tp_size})")
+    mts = par.moe_tp_size
+    return tp_rank % mts, tp_rank // mts
+
+
+def local_experts(spec: MoESpec, par: Parallel, ep_rank: int) -> range:
+    """Global expert ids held by ep_rank, in local-slot order."""
+    per = spec.num_experts // par.ep_size
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def tensor_names(spec: MoESpec) -> tuple[str, ...]:
+    """FusedMoE parameter names for the format, in transport copy order."""
+    return {"fp8_block": COPY_ORDER_FP8_BLOCK, "fp8_channel": COPY_ORDER_FP8_CHANNEL, "bf16": COPY_ORDER_BF16}[spec.fmt]
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """Where one rank's shard sits in the full per-expert tensors."""
+
+    r0: int  # first intermediate row/col, r*I_tp
+    r1: int
+    s0: int  # the same range in scale blocks (block formats only)
+    s1: int
+    first: str  # "gate" or "up": which goes to w13 rows [0, I_tp)
+    second: str
+
+
+def _cut(spec: MoESpec, par: Parallel, moe_tp_rank: int) -> _Cut:
+    i_tp = spec.intermediate_size // par.moe_tp_size
+    r0, r1 = moe_tp_rank * i_tp, (moe_tp_rank + 1) * i_tp
+    s0 = s1 = 0
+    if spec.fmt == "fp8_block":
+        s0, s1 = r0 // spec.block[0], r1 // spec.block[0]
+    first, second = ("up", "gate") if par.up_first else ("gate", "up")
+    return _Cut(r0, r1, s0, s1, first, second)
+
+
+def _prepare(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel) -> tuple[_Cut, range]:
+    spec = ckpt.spec
+    validate_parallel(spec, par)
+    if layer not in spec.moe_layers:
+        raise MoetraceError(f"layer {layer} is not a MoE layer of {ckpt.path} (MoE layers: {list(spec.moe_layers)})")
+    moe_tp_rank, ep_rank = rank_coords(tp_rank, par)
+    return _cut(spec, par, moe_tp_rank), local_experts(spec, par, ep_rank)
+
+
+def _scale_rows(t: torch.Tensor) -> torch.Tensor:
+    """Per-channel scale [out] or [out, 1] -> [out, 1] fp32."""
+    return t.reshape(-1, 1).to(torch.float32)
+
+
+def _expert_unfused(ckpt: Checkpoint, layer: int, expert: int, c: _Cut) -> dict[str, torch.Tensor]:
+    spec = ckpt.spec
+
+    def name(proj: str, kind: str = "weight") -> str:
+        return expert_tensor_name(spec, layer, expert, proj, kind)
+
+    out = {
+        "w13_weight": torch.cat([ckpt.read(name(c.first), rows=(c.r0, c.r1)), ckpt.read(name(c.second), rows=(c.r0, c.r1))]),
+        "w2_weight": ckpt.read(name("down"), cols=(c.r0, c.r1)),
+    }
+    if spec.fmt == "fp8_block":
+        # Scales are cut in whole blocks (validate_parallel made I_tp a block
+        # multiple) and held by SGLang as fp32; the cast from bf16/f16 is exact.
+        out["w13_weight_scale_inv"] = torch.cat(
+            [ckpt.read(name(p, "scale"), rows=(c.s0, c.s1)) for p in (c.first, c.second)]
+        ).to(torch.float32)
+        out["w2_weight_scale_inv"] = ckpt.read(name("down", "scale"), cols=(c.s0, c.s1)).to(torch.float32)
+    elif spec.fmt == "fp8_channel":
+        out["w13_weight_scale"] = torch.cat(
+            [_scale_rows(ckpt.read(name(p, "scale"), rows=(c.r0, c.r1))) for p in (c.first, c.second)]
+        )
+        # w2 is split along its input columns: every rank keeps all H output
+        # channels, hence the full per-channel scale.
+        out["w2_weight_scale"] = _scale_rows(ckpt.read(name("down", "scale")))
+    return {k: out[k] for k in tensor_names(spec)}
+
+
+def _experts_fused(ckpt: Checkpoint, layer: int, experts: range, c: _Cut) -> dict[str, torch.Tensor]:
+    """Fused 3-D BF16 layout: gate_up_proj [E, 2I, H] (gate rows first on dim -2),
+    down_proj [E, H, I]. One read per half for all local experts at once."""
+    spec = ckpt.spec
+    gate_up, down = fused_tensor_name(spec, layer, "gate_up"), fused_tensor_name(spec, layer, "down")
+    e = (experts.start, experts.stop)
+    offset = {"gate": 0, "up": spec.intermediate_size}
+    halves = [ckpt.read(gate_up, rows=(e, (offset[p] + c.r0, offset[p] + c.r1))) for p in (c.first, c.second)]
+    return {"w13_weight": torch.cat(halves, dim=1), "w2_weight": ckpt.read(down, rows=(e,), cols=(c.r0, c.r1))}
+
+
+def expected_expert(ckpt: Checkpoint, layer: int, expert: int, tp_rank: int, par: Parallel) -> dict[str, torch.Tensor]:
+    """One expert's tensors on tp_rank (no leading expert dim), keyed by FusedMoE
+    param name in copy order. `expert` is a global id the rank must own."""
+    c, experts = _prepare(ckpt, layer, tp_rank, par)
+    if expert not in experts:
+        raise MoetraceError(
+            f"expert {expert} is not on tp_rank {tp_rank}: it holds experts [{experts.start}, {experts.stop}) "
+            f"(num_experts={ckpt.spec.num_experts}, ep_size={par.ep_size})"
+        )
+    if ckpt.spec.fused_experts:
+        return {k: v[0] for k, v in _experts_fused(ckpt, layer, range(expert, expert + 1), c).items()}
+    return _expert_unfused(ckpt, layer, expert, c)
+
+
+def expected_layer(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel) -> dict[str, torch.Tensor]:
+    """All local experts' tensors on tp_rank, [E_local, ...] per FusedMoE param,
+    slot i holding global expert local_experts(...)[i]."""
+    c, experts = _prepare(ckpt, layer, tp_rank, par)
+    if ckpt.spec.fused_experts:
+        return _experts_fused(ckpt, layer, experts, c)
+    out: dict[str, torch.Tensor] = {}
+    for i, expert in enumerate(experts):
+        one = _expert_unfused(ckpt, layer, expert, c)
+        if not out:  # allocate once the first expert tells the shapes
+            out = {k: torch.empty((len(experts), *v.shape), dtype=v.dtype) for k, v in one.items()}
+        for k, v in one.items():
+            out[k][i] = v
+    return out

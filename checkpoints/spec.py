@@ -1,0 +1,221 @@
+"""What a checkpoint's MoE experts look like, from config.json (and checked against
+the tensor names it ships): family, prefix, which layers are MoE, sizes, format.
+
+Everything downstream (reader validation, TP/EP shard math, the expected index)
+reads this one frozen record instead of re-parsing the config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from moetrace.errors import MoetraceError
+
+# architectures[0] -> (family, tensor-name prefix of the decoder layers)
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "model"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "model"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "model.language_model"),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "model"),
+}
+FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3")
+FORMATS = ("fp8_block", "fp8_channel", "bf16")
+PROJS = ("gate", "up", "down")
+# Tensor-name prefixes that look like experts but are not routed decoder experts:
+# Qwen3.5's multi-token-prediction head and vision tower.
+IGNORED_PREFIXES = ("mtp.", "model.visual.")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    arch: str  # config architectures[0]
+    family: str  # one of FAMILIES
+    prefix: str  # "model" or "model.language_model"
+    num_layers: int  # num_hidden_layers (DeepSeek's MTP layer at index num_layers is not counted)
+    moe_layers: tuple[int, ...]  # decoder layers whose mlp is a routed-expert FusedMoE
+    num_experts: int  # routed experts per MoE layer (global)
+    hidden_size: int
+    intermediate_size: int  # moe_intermediate_size (per expert, before TP)
+    fmt: str  # "fp8_block" | "fp8_channel" | "bf16"
+    block: tuple[int, int] | None  # weight_block_size (block_n over out rows, block_k over in cols)
+    fused_experts: bool = False  # 3-D mlp.experts.gate_up_proj / down_proj tensors
+    scale_dtype: str | None = None  # torch dtype name of the stored scales ("bfloat16", ...)
+
+    @property
+    def scale_suffix(self) -> str | None:
+        """Tensor-name suffix of the FP8 scale (block: an inverse scale, per the
+        DeepSeek/Qwen convention; per-channel: a plain scale)."""
+        return {"fp8_block": "weight_scale_inv", "fp8_channel": "weight_scale"}.get(self.fmt)
+
+
+def expert_tensor_name(spec: MoESpec, layer: int, expert: int, proj: str, kind: str = "weight") -> str:
+    """Checkpoint name of one per-expert tensor; proj in PROJS, kind "weight"|"scale"."""
+    suffix = "weight" if kind == "weight" else spec.scale_suffix
+    if suffix is None:
+        raise MoetraceError(f"{spec.fmt} checkpoints have no scale tensors")
+    return f"{spec.prefix}.layers.{layer}.mlp.experts.{expert}.{proj}_proj.{suffix}"
+
+
+def fused_tensor_name(spec: MoESpec, layer: int, which: str) -> str:
+    """Checkpoint name of a fused 3-D expert tensor; which in ("gate_up", "down")."""
+    return f"{spec.prefix}.layers.{layer}.mlp.experts.{which}_proj"
+
+
+def is_ignored(name: str) -> bool:
+    return name.startswith(IGNORED_PREFIXES)
+
+
+def _get(cfg: Mapping, key: str, where: str, default=...):
+    if key in cfg and cfg[key] is not None:
+        return cfg[key]
+    if default is not ...:
+        return default
+    raise MoetraceError(f"{where}: missing key '{key}'")
+
+
+def _int(cfg: Mapping, key: str, where: str, default=...) -> int:
+    value = _get(cfg, key, where, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MoetraceError(f"{where}: '{key}' must be a non-negative integer, found {value!r}")
+    return value
+
+
+def moe_layers_from_config(family: str, text: Mapping, where: str) -> tuple[int, ...]:
+    """MoE layer ids exactly as the modeling code decides them."""
+    n = _int(text, "num_hidden_layers", where)
+    if family == "deepseek_v3":
+        # DeepSeek: dense for the first first_k_dense_replace layers, then every
+        # moe_layer_freq-th layer is routed.
+        first = _int(text, "first_k_dense_replace", where, 0)
+        freq = _int(text, "moe_layer_freq", where, 1) or 1
+        return tuple(layer for layer in range(n) if layer >= first and layer % freq == 0)
+    # Qwen3-MoE / Qwen3-Next / Qwen3.5: MoE unless listed in mlp_only_layers, and
+    # only every decoder_sparse_step-th layer (both default to "all layers").
+    mlp_only = _get(text, "mlp_only_layers", where, [])
+    if not isinstance(mlp_only, list) or not all(isinstance(x, int) for x in mlp_only):
+        raise MoetraceError(f"{where}: 'mlp_only_layers' must be a list of layer ids, found {mlp_only!r}")
+    step = _int(text, "decoder_sparse_step", where, 1) or 1
+    return tuple(layer for layer in range(n) if layer not in set(mlp_only) and (layer + 1) % step == 0)
+
+
+def _format_from_config(cfg: Mapping, text: Mapping, where: str) -> tuple[str, tuple[int, int] | None]:
+    # Qwen3.5 keeps quantization_config at the top level; look there first, then
+    # under text_config.
+    q = cfg.get("quantization_config") or text.get("quantization_config")
+    if not q:
+        return "bf16", None
+    if not isinstance(q, Mapping):
+        raise MoetraceError(f"{where}: 'quantization_config' must be an object, found {q!r}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise MoetraceError(
+            f"{where}: quantization_config.quant_method {method!r} is not supported (supported: fp8 block, "
+            "fp8 per-channel, unquantized bf16)"
+        )
+    block = q.get("weight_block_size")
+    if block is None:
+        return "fp8_channel", None
+    if (
+        not isinstance(block, list)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise MoetraceError(f"{where}: quantization_config.weight_block_size must be [n, k] positive ints, found {block!r}")
+    return "fp8_block", (block[0], block[1])
+
+
+_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn"}
+
+
+def spec_from_config(config: Mapping, path: str | Path, tensors: Mapping[str, str] | None = None) -> MoESpec:
+    """Build the MoESpec of config.json at `path` (used only in messages).
+
+    `tensors` maps checkpoint tensor names to their safetensors dtype ("F8_E4M3",
+    "BF16", ...). When given, the format the config claims is checked against the
+    names and dtypes actually shipped, and fused_experts / scale_dtype are filled in.
+    """
+    where = str(path)
+    if not isinstance(config, Mapping):
+        raise MoetraceError(f"{where}: expected a JSON object")
+    archs = config.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    if arch not in ARCHITECTURES:
+        raise MoetraceError(
+            f"{where}: architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    family, prefix = ARCHITECTURES[arch]
+    text = config
+    if family == "qwen3_5_moe":
+        # Qwen3.5 is a vision-language wrapper: decoder keys live in text_config.
+        text = config.get("text_config")
+        if not isinstance(text, Mapping):
+            raise MoetraceError(f"{where}: {arch} needs a 'text_config' object")
+        where_text = f"{where} (text_config)"
+    else:
+        where_text = where
+    num_experts = _int(text, "n_routed_experts" if family == "deepseek_v3" else "num_experts", where_text)
+    if num_experts < 1:
+        raise MoetraceError(f"{where_text}: the number of routed experts must be >= 1, found {num_experts}")
+    fmt, block = _format_from_config(config, text, where)
+    spec = MoESpec(
+        arch=arch,
+        family=family,
+        prefix=prefix,
+        num_layers=_int(text, "num_hidden_layers", where_text),
+        moe_layers=moe_layers_from_config(family, text, where_text),
+        num_experts=num_experts,
+        hidden_size=_int(text, "hidden_size", where_text),
+        intermediate_size=_int(text, "moe_intermediate_size", where_text),
+        fmt=fmt,
+        block=block,
+    )
+    if not spec.moe_layers:
+        raise MoetraceError(f"{where}: the config declares no MoE layers")
+    if tensors is None:
+        return spec
+    return _verify_against_tensors(spec, tensors, where)
+
+
+def _verify_against_tensors(spec: MoESpec, tensors: Mapping[str, str], where: str) -> MoESpec:
+    """The config says what the format should be; the names and dtypes say what it
+    is. Disagreement is an error naming both, never a silent guess."""
+    layer = spec.moe_layers[0]
+    stem = f"{spec.prefix}.layers.{layer}.mlp.experts"
+    unfused, fused = f"{stem}.0.gate_proj.weight", f"{stem}.gate_up_proj"
+    if unfused in tensors:
+        is_fused = False
+        weight = unfused
+    elif fused in tensors:
+        is_fused = True
+        weight = fused
+    else:
+        raise MoetraceError(
+            f"{where}: {spec.arch} expects expert tensor {unfused} (or fused {fused}) but the checkpoint has neither"
+        )
+    has_inv, has_scale = f"{stem}.0.gate_proj.weight_scale_inv" in tensors, f"{stem}.0.gate_proj.weight_scale" in tensors
+    if is_fused and (spec.fmt != "bf16" or f"{fused}_scale_inv" in tensors or f"{fused}_scale" in tensors):
+        raise MoetraceError(f"{where}: fused expert tensors ({fused}) are supported for BF16 only, config says {spec.fmt}")
+    if spec.fmt == "fp8_block" and not has_inv:
+        found = f"; it has per-channel {stem}.0.gate_proj.weight_scale" if has_scale else ""
+        raise MoetraceError(
+            f"{where}: weight_block_size {list(spec.block)} says block FP8 but {stem}.0.gate_proj.weight_scale_inv "
+            f"is missing{found}"
+        )
+    if spec.fmt == "fp8_channel" and not has_scale:
+        found = f"; it has block scale {stem}.0.gate_proj.weight_scale_inv (set weight_block_size)" if has_inv else ""
+        raise MoetraceError(
+            f"{where}: fp8 without weight_block_size says per-channel FP8 but {stem}.0.gate_proj.weight_scale "
+            f"is missing{found}"
+        )
+    if spec.fmt == "bf16" and (has_inv or has_scale):
+        raise MoetraceError(f"{where}: no quantization_config but the checkpoint has FP8 scales ({stem}.0.gate_proj.*)")
+    want = "F8_E4M3" if spec.fmt.startswith("fp8") else "BF16"
+    if tensors[weight] != want:
+        raise MoetraceError(f"{where}: format {spec.fmt} needs {want} expert weights but {weight} is {tensors[weight]}")
+    scale_dtype = None
+    if spec.scale_suffix is not None:
+        scale_name = f"{stem}.0.gate_proj.{spec.scale_suffix}"
+        scale_dtype = _DTYPE_NAMES.get(tensors[scale_name], tensors[scale_name])
+    return replace(spec, fused_experts=is_fused, scale_dtype=scale_dtype)

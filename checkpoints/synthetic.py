@@ -1,0 +1,287 @@
+"""Small checkpoints with real names, dtypes and layouts, whose every expert
+element is a known function of where it sits.
+
+`synthetic_values(layer, expert, proj, rows, cols, kind)` gives the stored value
+of any element from its GLOBAL (unsharded) coordinates, so a test can build the
+shard a rank must hold without going through shards.py, and a wrong tensor can
+be recognized by recomputing candidates (expert E+2, another layer, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from moetrace.checkpoints.spec import FAMILIES, FORMATS
+from moetrace.errors import MoetraceError
+
+PROJ_NAMES = ("gate", "up", "down")  # proj ids 0, 1, 2
+SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_M32 = 0xFFFFFFFF
+
+# The 252 e4m3fn bytes that are finite and nonzero: 0x7F/0xFF are NaN, and the
+# two zeros are left out so a zero-filled (never-copied) tensor never matches.
+_FP8_BYTES = torch.tensor([b for b in range(256) if b not in (0x00, 0x7F, 0x80, 0xFF)], dtype=torch.uint8)
+_KIND = {"weight": 1, "scale": 2}
+
+
+def _mix(x: torch.Tensor | int):
+    """32-bit integer finalizer (xor-shift-multiply). Inputs and products stay
+    below 2^63, so int64 tensor arithmetic is exact on every backend."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
+
+
+def synthetic_values(
+    layer: int,
+    expert: int,
+    proj: int,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    kind: str = "weight",
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> torch.Tensor:
+    """Stored value of each element (rows, cols broadcast against each other).
+
+    proj: 0 gate, 1 up, 2 down. rows/cols: global coordinates in the full
+    per-expert tensor (for block scales: block indices; for per-channel scales
+    cols is 0). kind "weight" (dtype float8_e4m3fn, the default, or bfloat16) or
+    "scale" (dtype float32, the default, bfloat16 or float16).
+
+    Guarantees: fp8 weights are finite, nonzero e4m3fn bytes; scales are positive
+    and exact in every scale dtype. At every element, two experts in the same
+    group of CYCLE ids (e // CYCLE equal; CYCLE = 252 for fp8 weights, 512
+    otherwise) hold different values, so E+1, E+2 are always visible; gate, up
+    and down scales of one expert differ at every element. Other pairs (another
+    group, layer or seed) differ at about 99% of elements.
+    """
+    if kind not in _KIND or proj not in (0, 1, 2):
+        raise ValueError(f"kind must be weight|scale and proj 0|1|2, got {kind!r}, {proj!r}")
+    dtype = dtype or (torch.float8_e4m3fn if kind == "weight" else torch.float32)
+    rows, cols = torch.broadcast_tensors(torch.as_tensor(rows, dtype=torch.int64), torch.as_tensor(cols, dtype=torch.int64))
+    fp8 = kind == "weight" and dtype == torch.float8_e4m3fn
+    cycle = len(_FP8_BYTES) if fp8 else 512
+    # The expert enters the hash only by its group; inside a group it is added
+    # to the hash modulo the cycle, which makes any two differ at every element.
+    base = _mix(_mix(_mix(_mix(seed + 0x1000) + layer) + 7 * proj + _KIND[kind]) + expert // cycle)
+    g = _mix(_mix(base + rows * 0x9E3779B1) + cols * 0x85EBCA6B)
+    c = (g + expert) % cycle
+    if fp8:
+        return _FP8_BYTES[c].view(torch.float8_e4m3fn)
+    # value = (1 + m/128) * 2^-x with c = (m, q) -> distinct values for distinct c:
+    # 8 significant bits, exact in bf16, f16 and f32.
+    m, q = (c % 128).to(torch.float32), c // 128
+    if kind == "weight":
+        if dtype != torch.bfloat16:
+            raise ValueError(f"weights are float8_e4m3fn or bfloat16, got {dtype}")
+        x = 1 + q + 4 * ((g >> 9) & 1)  # 1..8
+        sign = 1.0 - 2.0 * ((g >> 12) & 1).to(torch.float32)
+        return (sign * (1.0 + m / 128.0) * torch.pow(2.0, -x.to(torch.float32))).to(dtype)
+    if dtype not in SCALE_DTYPES.values():
+        raise ValueError(f"scales are float32, bfloat16 or float16, got {dtype}")
+    # x = 2 + proj + 3q in 2..13: proj fixes x mod 3 (gate/up/down always differ),
+    # and 2^-13 is still a normal float16.
+    x = 2 + proj + 3 * q
+    return ((1.0 + m / 128.0) * torch.pow(2.0, -x.to(torch.float32))).to(dtype)
+
+
+def _grid(n_rows: int, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.arange(n_rows).view(-1, 1), torch.arange(n_cols).view(1, -1)
+
+
+def _config(
+    family: str, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int, dense: int, block: int, seed: int
+) -> dict:
+    text = {
+        "hidden_size": hidden,
+        "num_hidden_layers": num_layers,
+        "moe_intermediate_size": inter,
+        "intermediate_size": 4 * hidden,  # dense layers' MLP; not used by moetrace
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 16,
+        "torch_dtype": "bfloat16",
+    }
+    if family == "deepseek_v3":
+        arch = "DeepseekV3ForCausalLM"
+        text.update(
+            n_routed_experts=num_experts,
+            num_experts_per_tok=min(8, num_experts),
+            first_k_dense_replace=dense,
+            moe_layer_freq=1,
+            n_shared_experts=1,
+            num_nextn_predict_layers=1,
+        )
+    else:
+        arch = {
+            "qwen3_moe": "Qwen3MoeForCausalLM",
+            "qwen3_next": "Qwen3NextForCausalLM",
+            "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+        }[family]
+        text.update(
+            num_experts=num_experts,
+            num_experts_per_tok=min(8, num_experts),
+            decoder_sparse_step=1,
+            mlp_only_layers=list(range(dense)),
+            norm_topk_prob=True,
+        )
+        if family != "qwen3_moe":
+            text["shared_expert_intermediate_size"] = inter
+    prefix = "model.language_model" if family == "qwen3_5_moe" else "model"
+    quant = None
+    if fmt != "bf16":
+        quant = {"quant_method": "fp8", "fmt": "e4m3"}
+        if fmt == "fp8_block":
+            quant["weight_block_size"] = [block, block]
+        quant.update(
+            activation_scheme="dynamic",
+            modules_to_not_convert=["lm_head", f"{prefix}.embed_tokens"]
+            + [f"{prefix}.layers.{L}.mlp.gate" for L in range(dense, num_layers)],
+        )
+    if family == "qwen3_5_moe":
+        cfg = {
+            "architectures": [arch],
+            "model_type": "qwen3_5_moe",
+            "text_config": {**text, "model_type": "qwen3_5_moe_text"},
+            "vision_config": {"depth": 1, "hidden_size": 8, "out_hidden_size": hidden},
+        }
+    else:
+        cfg = {"architectures": [arch], "model_type": family, **text}
+    if quant:
+        cfg["quantization_config"] = quant  # top level, as Qwen3.5 does too
+    # Marks the checkpoint as synthetic, and puts the seed into config.json so
+    # that Checkpoint.identity (config bytes + headers) differs between seeds.
+    cfg["moetrace_synthetic"] = {"seed": seed, "values": "moetrace.checkpoints.synthetic.synthetic_values"}
+    return cfg
+
+
+def write_synthetic_checkpoint(
+    out_dir: str | Path,
+    family: str = "qwen3_5_moe",
+    fmt: str = "fp8_block",
+    num_layers: int = 2,
+    num_experts: int = 8,
+    hidden: int = 256,
+    intermediate: int = 256,
+    scale_dtype: str = "bfloat16",
+    num_files: int = 2,
+    dense_layers: int = 0,
+    block: int = 128,
+    seed: int = 0,
+    fused: bool = False,
+) -> Path:
+    """Write a checkpoint directory (config.json + safetensors) and return its path.
+
+    Layers [0, dense_layers) are dense (first_k_dense_replace for DeepSeek,
+    mlp_only_layers for Qwen). fused=True writes the 3-D BF16 expert layout
+    (mlp.experts.gate_up_proj / down_proj) instead of per-expert tensors; its
+    values equal the per-expert ones. Tensors are dealt to files round-robin in
+    write order, skipping a file every 5 tensors, so with num_files > 1 some
+    weights share a file with their scale and some do not. Non-expert tensors (embeddings, router, shared expert, dense MLPs,
+    Qwen3.5 mtp.* and model.visual.*, DeepSeek's MTP layer) are small stand-ins.
+    """
+    from safetensors.torch import save_file  # writer-only dependency path
+
+    checks = [
+        (family in FAMILIES, f"--family must be one of {', '.join(FAMILIES)}, got {family!r}"),
+        (fmt in FORMATS, f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}"),
+        (scale_dtype in SCALE_DTYPES, f"--scale-dtype must be one of {', '.join(SCALE_DTYPES)}, got {scale_dtype!r}"),
+        (min(num_layers, num_experts, hidden, intermediate, num_files, block) >= 1,
+         "--layers, --experts, --hidden, --intermediate, --files and block must be >= 1"),
+        (0 <= dense_layers < num_layers,
+         f"--dense-layers {dense_layers} must be in [0, --layers {num_layers}) so at least one layer is MoE"),
+        (not fused or fmt == "bf16", f"--fused writes the BF16 3-D layout; it needs --format bf16, got {fmt}"),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            raise MoetraceError(message)
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MoetraceError(f"{out}: output path exists and is not an empty directory")
+
+    prefix = "model.language_model" if family == "qwen3_5_moe" else "model"
+    H, I, E = hidden, intermediate, num_experts
+    sdt = SCALE_DTYPES[scale_dtype]
+    wdt = torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(seed)
+
+    def filler(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    tensors: dict[str, torch.Tensor] = {}
+
+    def expert_weight(L: int, e: int, p: int) -> torch.Tensor:
+        return synthetic_values(L, e, p, *_grid(*((H, I) if p == 2 else (I, H))), "weight", wdt, seed)
+
+    tensors[f"{prefix}.embed_tokens.weight"] = filler(16, H)
+    for L in range(num_layers):
+        pre = f"{prefix}.layers.{L}"
+        tensors[f"{pre}.input_layernorm.weight"] = filler(H)
+        if L < dense_layers:
+            for p, shape in (("gate", (8, H)), ("up", (8, H)), ("down", (H, 8))):
+                tensors[f"{pre}.mlp.{p}_proj.weight"] = filler(*shape)
+            continue
+        tensors[f"{pre}.mlp.gate.weight"] = filler(E, H)  # router: "mlp.gate", not an expert
+        if fused:
+            tensors[f"{pre}.mlp.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([expert_weight(L, e, 0), expert_weight(L, e, 1)]) for e in range(E)]
+            )
+            tensors[f"{pre}.mlp.experts.down_proj"] = torch.stack([expert_weight(L, e, 2) for e in range(E)])
+        else:
+            for e in range(E):
+                for p, proj in enumerate(PROJ_NAMES):
+                    name = f"{pre}.mlp.experts.{e}.{proj}_proj"
+                    out_dim, in_dim = (H, I) if p == 2 else (I, H)
+                    tensors[f"{name}.weight"] = expert_weight(L, e, p)
+                    if fmt == "fp8_block":
+                        shape = (-(-out_dim // block), -(-in_dim // block))
+                        tensors[f"{name}.weight_scale_inv"] = synthetic_values(L, e, p, *_grid(*shape), "scale", sdt, seed)
+                    elif fmt == "fp8_channel":
+                        tensors[f"{name}.weight_scale"] = synthetic_values(L, e, p, *_grid(out_dim, 1), "scale", sdt, seed)
+        if family == "deepseek_v3":
+            tensors[f"{pre}.mlp.gate.e_score_correction_bias"] = torch.zeros(E)
+            shared = f"{pre}.mlp.shared_experts"
+        elif family in ("qwen3_next", "qwen3_5_moe"):
+            tensors[f"{pre}.mlp.shared_expert_gate.weight"] = filler(1, H)
+            shared = f"{pre}.mlp.shared_expert"
+        else:
+            shared = None
+        if shared:
+            for p, shape in (("gate", (8, H)), ("up", (8, H)), ("down", (H, 8))):
+                tensors[f"{shared}.{p}_proj.weight"] = filler(*shape)
+    # Expert-looking tensors that are not routed decoder experts; their shapes
+    # are deliberately wrong, so reading one by mistake fails loudly.
+    if family == "deepseek_v3":  # MTP layer, stored as layer num_hidden_layers
+        tensors[f"model.layers.{num_layers}.mlp.experts.0.gate_proj.weight"] = filler(8, H)
+        tensors[f"model.layers.{num_layers}.eh_proj.weight"] = filler(H, 2 * H)
+    if family == "qwen3_5_moe":
+        tensors["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = filler(8, H)
+        tensors["mtp.fc.weight"] = filler(H, 2 * H)
+        tensors["model.visual.blocks.0.attn.qkv.weight"] = filler(24, 8)
+        tensors["model.visual.blocks.0.mlp.experts.0.gate_proj.weight"] = filler(8, 8)
+    tensors["lm_head.weight"] = filler(16, H)
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = _config(family, fmt, num_layers, E, H, I, dense_layers, block, seed)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if num_files == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
+    files = [f"model-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
+    weight_map = {name: files[(i + i // 5) % num_files] for i, name in enumerate(tensors)}
+    for fname in files:
+        part = {n: t for n, t in tensors.items() if weight_map[n] == fname}
+        save_file(part, str(out / fname), metadata={"format": "pt"})
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out

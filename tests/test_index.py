@@ -1,0 +1,154 @@
+"""moetrace index: rows, fingerprints against independent shards, cache, CLI, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from click.testing import CliRunner
+
+from moetrace.checkpoints.synthetic import synthetic_values
+from moetrace.cli import main
+from moetrace.errors import MoetraceError
+from moetrace.tracer import index as ix
+from moetrace.tracer.fingerprint import fingerprint
+from moetrace.tracer.schema import INDEX_SCHEMA
+
+H, I, E = 256, 256, 8
+
+
+def _w13_reference(layer, expert, tp_rank, tp, ep, dtype_weight=torch.float8_e4m3fn):
+    """Rank's w13 from synthetic_values at the global rows SGLang's loader puts there."""
+    moe_tp = tp // ep
+    r = tp_rank % moe_tp
+    i_tp = I // moe_tp
+    rows = torch.arange(r * i_tp, (r + 1) * i_tp).unsqueeze(1)
+    cols = torch.arange(H).unsqueeze(0)
+    gate = synthetic_values(layer, expert, 0, rows, cols, "weight", dtype_weight)
+    up = synthetic_values(layer, expert, 1, rows, cols, "weight", dtype_weight)
+    return torch.cat([gate, up], dim=0)
+
+
+def _w2_scale_reference(layer, expert, tp_rank, tp, ep, scale_dtype=torch.bfloat16):
+    moe_tp = tp // ep
+    r = tp_rank % moe_tp
+    nb = (I // moe_tp) // 128
+    rows = torch.arange(H // 128).unsqueeze(1)
+    cols = torch.arange(r * nb, (r + 1) * nb).unsqueeze(0)
+    return synthetic_values(layer, expert, 2, rows, cols, "scale", scale_dtype).to(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
+
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("ix") / "c", num_layers=3, num_experts=E, hidden=H,
+                                      intermediate=I, dense_layers=1)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 2)])
+def test_index_rows_equal_independent_shards(ckpt, tp, ep):
+    table = ix.build_index(ckpt, tp, ep)
+    assert table.schema.equals(INDEX_SCHEMA, check_metadata=False)
+    rows = table.to_pylist()
+    moe_layers = [1, 2]  # dense_layers=1 makes layer 0 dense
+    assert sorted({r["layer"] for r in rows}) == moe_layers
+    per_rank_experts = E // ep
+    assert len(rows) == len(moe_layers) * tp * per_rank_experts * 4
+    by_key = {(r["tp_rank"], r["layer"], r["expert"], r["tensor"]): r for r in rows}
+    for tp_rank in range(tp):
+        ep_rank = tp_rank // (tp // ep)
+        for expert in range(ep_rank * per_rank_experts, (ep_rank + 1) * per_rank_experts):
+            w13 = by_key[(tp_rank, 2, expert, "w13_weight")]
+            want = _w13_reference(2, expert, tp_rank, tp, ep)
+            assert w13["fp"] == fingerprint(want).digest
+            assert w13["shape"] == list(want.shape) and w13["dtype"] == "float8_e4m3fn"
+            assert w13["local_expert"] == expert - ep_rank * per_rank_experts
+            s = by_key[(tp_rank, 1, expert, "w2_weight_scale_inv")]
+            want_s = _w2_scale_reference(1, expert, tp_rank, tp, ep)
+            assert s["fp"] == fingerprint(want_s).digest and s["dtype"] == "float32"
+            assert s["chunk_fps"] == fingerprint(want_s).chunk_digests
+    # a stale expert's bytes are another row's digest: the analysis relies on it
+    assert by_key[(0, 1, 0, "w2_weight_scale_inv")]["fp"] != by_key[(0, 1, 2, "w2_weight_scale_inv")]["fp"]
+
+
+def test_layers_option_and_metadata(ckpt, tmp_path):
+    table = ix.build_index(ckpt, 2, layers=[2])
+    assert set(table.column("layer").to_pylist()) == {2}
+    path = ix.write_index(table, tmp_path / "i.parquet")
+    meta = ix.index_metadata(path)
+    assert meta["tp_size"] == 2 and meta["layers"] == [2] and meta["schema_version"] == 1
+    assert ix.read_index(path).num_rows == table.num_rows
+    with pytest.raises(MoetraceError, match="--layers 0: not MoE layers"):
+        ix.build_index(ckpt, 2, layers=[0])
+
+
+def test_cache_reuses_and_notices_changes(ckpt, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOETRACE_CACHE", str(tmp_path / "cache"))
+    p1, reused1 = ix.cached_index(ckpt, 2)
+    p2, reused2 = ix.cached_index(ckpt, 2)
+    assert (reused1, reused2) == (False, True) and p1 == p2
+    p3, reused3 = ix.cached_index(ckpt, 2, layers=[1])
+    assert not reused3 and p3 != p1
+    # touching a shard file invalidates the entry
+    f = sorted(Path(ckpt).glob("*.safetensors"))[0]
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    _, reused4 = ix.cached_index(ckpt, 2)
+    assert not reused4
+
+
+def test_cli_index_json_and_cache(ckpt, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOETRACE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "index.parquet"
+    r = CliRunner().invoke(main, ["index", str(ckpt), "--tp", "2", "-o", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.output)
+    assert summary["rows"] == 2 * 2 * E * 4 and not summary["reused_cache"]
+    assert pq.read_table(out).num_rows == summary["rows"]
+    r2 = CliRunner().invoke(main, ["index", str(ckpt), "--tp", "2", "-o", str(out), "--json"])
+    assert json.loads(r2.output)["reused_cache"] is True
+    r3 = CliRunner().invoke(main, ["index", str(ckpt), "--tp", "2", "-o", str(out)])
+    assert r3.exit_code == 0 and "reused cached index" in r3.output
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--tp", "3"], "tp"),
+        (["--tp", "2", "--ep", "3"], "ep"),
+        (["--tp", "8"], "128"),
+        (["--tp", "2", "--layers", "0"], "--layers 0"),
+        (["--tp", "2", "--layers", "x"], "--layers"),
+    ],
+)
+def test_cli_index_bad_options_are_one_line(ckpt, tmp_path, args, needle):
+    out = tmp_path / "index.parquet"
+    r = CliRunner().invoke(main, ["index", str(ckpt), *args, "-o", str(out), "--no-cache"])
+    assert r.exit_code == 2
+    err = r.output.strip()
+    assert err.startswith("moetrace: error:") and "\n" not in err and needle in err, err
+    assert "Traceback" not in r.output and not out.exists()
+    assert not list(tmp_path.glob(".index.parquet.*"))
+
+
+def test_bad_checkpoint_leaves_no_partial_index(tmp_path, ckpt_copy):
+    bad = ckpt_copy()
+    victim = sorted(Path(bad).glob("*.safetensors"))[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])  # truncated data section
+    out = tmp_path / "index.parquet"
+    r = CliRunner().invoke(main, ["index", str(bad), "--tp", "2", "-o", str(out), "--no-cache"])
+    assert r.exit_code == 2 and victim.name in r.output and "Traceback" not in r.output
+    assert not out.exists() and not list(tmp_path.glob(".index.parquet.*"))
+
+
+def test_not_an_index(tmp_path):
+    p = tmp_path / "x.parquet"
+    p.write_bytes(b"garbage")
+    with pytest.raises(MoetraceError, match="x.parquet"):
+        ix.read_index(p)
