@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,11 @@ DTYPE_BYTES = {
     "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
 }  # fmt: skip
 SCALE_DTYPES = ("F32", "BF16", "F16")
+_TORCH_DTYPES = {
+    "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I16": torch.int16, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "F32": torch.float32,
+    "I64": torch.int64, "F64": torch.float64,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class TensorInfo:
     dtype: str  # safetensors dtype string, e.g. "F8_E4M3"
     shape: tuple[int, ...]
     offsets: tuple[int, int]  # data_offsets, relative to the end of the header
+    data_start: int = 0  # file offset where the data section begins (8 + header length)
 
 
 def read_header(path: str | Path) -> dict[str, TensorInfo]:
@@ -88,7 +95,7 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
             ok = False
         if not ok:
             raise MoetraceError(f"{path}: garbled or truncated safetensors header entry for tensor {name}: {entry!r}")
-        out[name] = TensorInfo(name, path, dtype, shape, (a, b))
+        out[name] = TensorInfo(name, path, dtype, shape, (a, b), 8 + n)
     return out
 
 
@@ -131,6 +138,7 @@ class Checkpoint:
         self.tensors = tensors  # name -> TensorInfo, mtp.* / model.visual.* left out
         self._config_bytes = config_bytes
         self._handles: dict[Path, object] = {}  # one safe_open per file, reused across reads
+        self._fds: dict[Path, int] = {}  # one read-only descriptor per file for pread
         self._checked: set[str] = set()
         self._identity: str | None = None
         # Per-expert weight/scale of this format, or a fused 3-D expert tensor.
@@ -223,7 +231,10 @@ class Checkpoint:
             except Exception as err:  # safetensors raises its own types
                 raise MoetraceError(f"{t.file}: cannot open with safetensors ({err})") from None
         try:
-            if rows is None:
+            simple_rows = rows is None or not (isinstance(rows, tuple) and rows and not isinstance(rows[0], int))
+            if simple_rows and t.dtype in _TORCH_DTYPES:
+                out = self._pread_rows(t, None if rows is None else _as_slice(rows, t.shape[0], name, t.file))
+            elif rows is None:
                 out = handle.get_tensor(name)
             else:
                 lead = rows if isinstance(rows, tuple) and rows and not isinstance(rows[0], int) else (rows,)
@@ -240,8 +251,38 @@ class Checkpoint:
             out = out[..., c].contiguous()
         return out
 
+    def _pread_rows(self, t: TensorInfo, rows: slice | None) -> torch.Tensor:
+        """Rows [a, b) of a tensor with one pread of exactly their bytes.
+
+        Same bytes as safe_open(...).get_slice(name)[a:b], read with pread at
+        the header's offsets: get_slice maps the file and pays a page fault per
+        4 KiB when the data is touched (0.2-0.3 GB/s measured), pread copies
+        from the page cache at memory speed.
+        """
+        shape = list(t.shape)
+        row_bytes = math.prod(shape[1:]) * DTYPE_BYTES[t.dtype] if shape else DTYPE_BYTES[t.dtype]
+        a, b = (0, shape[0] if shape else 1) if rows is None else (rows.start, rows.stop)
+        if shape:
+            shape[0] = b - a
+        out = torch.empty(shape, dtype=_TORCH_DTYPES[t.dtype])
+        buf = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        offset = t.data_start + t.offsets[0] + a * row_bytes
+        fd = self._fds.get(t.file)
+        if fd is None:
+            fd = self._fds[t.file] = os.open(t.file, os.O_RDONLY)
+        done = 0
+        while done < len(buf):
+            n = os.preadv(fd, [buf[done:]], offset + done)
+            if n <= 0:
+                raise MoetraceError(f"{t.name} in {t.file}: file ends before the tensor's data (truncated?)")
+            done += n
+        return out
+
     def close(self) -> None:
         self._handles.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def __enter__(self) -> Checkpoint:
         return self

@@ -124,31 +124,37 @@ def _scale_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, 1).to(torch.float32)
 
 
-def _expert_unfused(ckpt: Checkpoint, layer: int, expert: int, c: _Cut) -> dict[str, torch.Tensor]:
+def _expert_parts(ckpt: Checkpoint, layer: int, expert: int, c: _Cut) -> dict[str, list[torch.Tensor]]:
+    """One expert's tensors on the rank as the parts stacked along dim 0 (w13 =
+    first half then second half), in stored dtypes; callers cat or copy them."""
     spec = ckpt.spec
 
     def name(proj: str, kind: str = "weight") -> str:
         return expert_tensor_name(spec, layer, expert, proj, kind)
 
     out = {
-        "w13_weight": torch.cat([ckpt.read(name(c.first), rows=(c.r0, c.r1)), ckpt.read(name(c.second), rows=(c.r0, c.r1))]),
-        "w2_weight": ckpt.read(name("down"), cols=(c.r0, c.r1)),
+        "w13_weight": [ckpt.read(name(c.first), rows=(c.r0, c.r1)), ckpt.read(name(c.second), rows=(c.r0, c.r1))],
+        "w2_weight": [ckpt.read(name("down"), cols=(c.r0, c.r1))],
     }
     if spec.fmt == "fp8_block":
         # Scales are cut in whole blocks (validate_parallel made I_tp a block
         # multiple) and held by SGLang as fp32; the cast from bf16/f16 is exact.
-        out["w13_weight_scale_inv"] = torch.cat(
-            [ckpt.read(name(p, "scale"), rows=(c.s0, c.s1)) for p in (c.first, c.second)]
-        ).to(torch.float32)
-        out["w2_weight_scale_inv"] = ckpt.read(name("down", "scale"), cols=(c.s0, c.s1)).to(torch.float32)
+        out["w13_weight_scale_inv"] = [ckpt.read(name(p, "scale"), rows=(c.s0, c.s1)) for p in (c.first, c.second)]
+        out["w2_weight_scale_inv"] = [ckpt.read(name("down", "scale"), cols=(c.s0, c.s1))]
     elif spec.fmt == "fp8_channel":
-        out["w13_weight_scale"] = torch.cat(
-            [_scale_rows(ckpt.read(name(p, "scale"), rows=(c.r0, c.r1))) for p in (c.first, c.second)]
-        )
+        out["w13_weight_scale"] = [_scale_rows(ckpt.read(name(p, "scale"), rows=(c.r0, c.r1))) for p in (c.first, c.second)]
         # w2 is split along its input columns: every rank keeps all H output
         # channels, hence the full per-channel scale.
-        out["w2_weight_scale"] = _scale_rows(ckpt.read(name("down", "scale")))
+        out["w2_weight_scale"] = [_scale_rows(ckpt.read(name("down", "scale")))]
     return {k: out[k] for k in tensor_names(spec)}
+
+
+def _held_dtype(name: str, stored: torch.dtype) -> torch.dtype:
+    return torch.float32 if "scale" in name else stored
+
+
+def _expert_unfused(ckpt: Checkpoint, layer: int, expert: int, c: _Cut) -> dict[str, torch.Tensor]:
+    return {k: torch.cat(v).to(_held_dtype(k, v[0].dtype)) for k, v in _expert_parts(ckpt, layer, expert, c).items()}
 
 
 def _experts_fused(ckpt: Checkpoint, layer: int, experts: range, c: _Cut) -> dict[str, torch.Tensor]:
@@ -184,9 +190,15 @@ def expected_layer(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel) ->
         return _experts_fused(ckpt, layer, experts, c)
     out: dict[str, torch.Tensor] = {}
     for i, expert in enumerate(experts):
-        one = _expert_unfused(ckpt, layer, expert, c)
+        parts = _expert_parts(ckpt, layer, expert, c)
         if not out:  # allocate once the first expert tells the shapes
-            out = {k: torch.empty((len(experts), *v.shape), dtype=v.dtype) for k, v in one.items()}
-        for k, v in one.items():
-            out[k][i] = v
+            out = {
+                k: torch.empty((len(experts), sum(p.shape[0] for p in v), *v[0].shape[1:]), dtype=_held_dtype(k, v[0].dtype))
+                for k, v in parts.items()
+            }
+        for k, v in parts.items():
+            row = 0  # copy each part straight into its slot: no concatenated temporary
+            for p in v:
+                out[k][i, row : row + p.shape[0]].copy_(p)
+                row += p.shape[0]
     return out
