@@ -260,7 +260,188 @@ def launch_cmd(sglang_version, keep_cuda_graph, close_timeout, server_cmd, **kw)
 
 
 # ---- analysis: analyze, diff, audit -----------------------------------------
+def _analysis_options(f):
+    """Options shared by analyze and audit."""
+    opts = [
+        click.argument("trace", nargs=-1, required=True),
+        click.option("--index", "index_path", default=None, metavar="FILE",
+                     help="Expected-fingerprint index Parquet (moetrace index)."),
+        click.option("--checkpoint", default=None, metavar="CKPT",
+                     help="Checkpoint folder: build (or reuse from the cache) the index for the trace's TP/EP."),
+        click.option("--json", "as_json", is_flag=True, help="Print the JSON report (docs/analysis.md) instead of text."),
+        click.option("--markdown", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+                     help="Also write a Markdown report."),
+        click.option("--junit", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+                     help="Also write JUnit XML: one test case per (run, rank, layer, source)."),
+        click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
+                     help="Also write a PNG: per rank, a layer x expert grid coloured by verdict."),
+        click.option("--max-lines", type=click.IntRange(min=1), default=20, show_default=True,
+                     help="Summary lines shown in the terminal."),
+        click.option("--max-rows", type=click.IntRange(min=0), default=1000, show_default=True,
+                     help="Divergent entries listed in the JSON/Markdown reports."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _run_analysis(command, trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows):
+    from moetrace.analysis import render
+    from moetrace.analysis.analyze import analyze
+
+    rep = analyze(list(trace), index=index_path, checkpoint=checkpoint, max_rows=max_rows)
+    outputs = []
+    try:
+        if markdown:
+            with open(markdown, "w") as fh:
+                fh.write(render.to_markdown(rep))
+            outputs.append(f"markdown: {markdown}")
+        if junit:
+            with open(junit, "w") as fh:
+                fh.write(render.to_junit(rep))
+            outputs.append(f"junit: {junit}")
+        if plot:
+            from moetrace.analysis.plot import plot as make_plot
+
+            make_plot(rep, plot)
+            outputs.append(f"plot: {plot}")
+    except OSError as err:
+        raise MoetraceError(f"cannot write report: {err}") from None
+    if as_json:
+        click.echo(render.to_json(rep))
+    else:
+        click.echo(render.to_text(rep, max_lines=max_lines, command=command))
+        for o in outputs:
+            click.echo(f"wrote {o}")
+    return rep
+
+
+@main.command("analyze")
+@_analysis_options
+def analyze_cmd(trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows):
+    """Give every captured tensor a verdict and find the first divergence.
+
+    TRACE is a run folder OUT/<run_id>, an OUT folder of several runs, a glob
+    or a pyarrow filesystem URL. Verdicts: match, stale (E+k), wrong_rank,
+    wrong_layer, wrong_tensor, zeros, constant, torn, unknown, unexpected, and
+    per load missing. Exit 0 when the analysis ran (findings are printed),
+    2 on unusable input. docs/analysis.md explains every verdict.
+
+    \b
+    Example:
+      moetrace analyze /data/traces/unfenced --index index.parquet --plot grid.png
+    """
+    _run_analysis("analyze", trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows)
+
+
+@main.command("audit")
+@_analysis_options
+def audit_cmd(trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows):
+    """Like analyze, for CI: the exit code is the verdict.
+
+    \b
+    Exit codes:
+      0  every expected entry in scope was captured and matches
+      1  at least one captured entry diverges (wins over 2)
+      2  incomplete or unusable: nothing captured, rows dropped, hook/sink
+         errors, a rank missing, a manifest not finished, an unreadable part,
+         an expected entry not captured, or a checkpoint/TP/EP mismatch
+
+    \b
+    Example:
+      moetrace audit /data/traces/nightly --checkpoint ./Qwen3.5-122B-A10B-FP8 --junit audit.xml
+    """
+    rep = _run_analysis("audit", trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows)
+    if not as_json:
+        word = {0: "pass", 1: "divergence found", 2: "incomplete"}[rep.exit_code]
+        click.echo(f"audit: exit {rep.exit_code} ({word})")
+    sys.exit(rep.exit_code)
+
+
+@main.command("diff")
+@click.argument("run_a")
+@click.argument("run_b")
+@click.option("--index", "index_path", default=None, metavar="FILE",
+              help="Index Parquet: also compare verdicts (e.g. E+2 -> match).")
+@click.option("--checkpoint", default=None, metavar="CKPT", help="Checkpoint folder, as for analyze.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON diff (docs/analysis.md).")
+@click.option("--max-lines", type=click.IntRange(min=1), default=20, show_default=True, help="Change groups shown.")
+def diff_cmd(run_a, run_b, index_path, checkpoint, as_json, max_lines):
+    """Compare the same (step, layer, rank, source, expert, tensor) across two runs.
+
+    \b
+    Example:
+      moetrace diff /data/traces/unfenced /data/traces/fenced --index index.parquet
+    """
+    import json
+
+    from moetrace.analysis.diff import diff, diff_text
+
+    doc = diff(run_a, run_b, index=index_path, checkpoint=checkpoint)
+    click.echo(json.dumps(doc, indent=1) if as_json else diff_text(doc, max_lines=max_lines))
+
+
 # ---- emulator: demo, serve ---------------------------------------------------
+@main.command("serve")
+@click.argument("checkpoint", required=False, type=click.Path(file_okay=False, path_type=str))
+@click.option("--model-path", "model_path", default=None, type=click.Path(file_okay=False, path_type=str),
+              help="Checkpoint directory (alternative to the CHECKPOINT argument, as SGLang spells it).")
+@click.option("--tp", "--tp-size", "tp", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Tensor-parallel ranks (one process each).")
+@click.option("--fence", type=click.Choice(["none", "all"]), default="none", show_default=True,
+              help="none: the fork as it is (racy); all: the seed PR's reader fences.")
+@click.option("--slow-rank", type=int, default=1, show_default=True,
+              help="Rank whose last copy of each expert (w2_weight_scale_inv) is held back "
+                   "deterministically; -1: no injection (natural timing).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Loopback address to serve on.")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=0, show_default=True,
+              help="HTTP port; 0 picks a free one (printed).")
+@click.option("--chunk-tokens", "--chunked-prefill-size", "chunk_tokens", type=click.IntRange(min=1), default=32,
+              show_default=True, help="Prefill chunk size in tokens.")
+@click.option("--prefill-threshold", "--kt-gpu-prefill-token-threshold", "prefill_threshold",
+              type=click.IntRange(min=1), default=8, show_default=True,
+              help="Passes with at least this many tokens stage the full layer (KT long-prefill path).")
+@click.option("--forward-hooks", default=None, help="SGLang-style JSON list of hook specs "
+              '([{"name", "target_modules", "hook_factory": "pkg.mod:fn", "config"}]).')
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cpu: threads stand in for copy streams; cuda: copy stream, events, pinned slots.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic non-expert weights.")
+@click.option("--op-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+              help="Seconds any staging wait may take before the server fails with a clear error.")
+@click.option("--ready-file", default=None, type=click.Path(dir_okay=False, path_type=str),
+              help='Write {"url", "port", "pid", "rank_pids", "shm_prefix"} here once listening.')
+@click.option("--disable-cuda-graph", "--disable-prefill-cuda-graph", "--disable-decode-cuda-graph",
+              "cuda_graph_flags", is_flag=True, hidden=True, help="Accepted for SGLang compatibility; no effect.")
+def serve_cmd(checkpoint, model_path, tp, fence, slow_rank, host, port, chunk_tokens, prefill_threshold,
+              forward_hooks, device, seed, op_timeout, ready_file, cuda_graph_flags):
+    """Serve an emulated TP KT-staging server (OpenAI /v1/completions) on loopback.
+
+    Each rank is a process; rank 0 stages every MoE layer's experts through
+    POSIX shared-memory host slots exactly like KTransformers' SGLang fork, with
+    the reader fence off (--fence none) or on (--fence all). Stops on POST
+    /shutdown, SIGTERM or Ctrl-C, and always removes its shared memory.
+
+    \b
+    Example:
+      moetrace make-checkpoint -o /tmp/ckpt
+      moetrace serve /tmp/ckpt --tp 2 --fence none --port 30000 \\
+        --forward-hooks "$(moetrace hook-spec --out /tmp/traces)"
+      curl -s localhost:30000/v1/completions -d '{"prompt": "hello", "max_tokens": 4}'
+      curl -s -X POST localhost:30000/shutdown
+    """
+    from moetrace.emulator.config import as_config
+    from moetrace.emulator.forward_hooks import parse_forward_hooks
+    from moetrace.emulator.launcher import serve
+
+    path = checkpoint or model_path
+    if not path:
+        raise MoetraceError("serve: give the checkpoint directory (CHECKPOINT or --model-path)")
+    cfg = as_config(path, tp=tp, fence=fence, slow_rank=None if slow_rank < 0 else slow_rank, host=host, port=port,
+                    chunk_tokens=chunk_tokens, prefill_threshold=prefill_threshold, device=device, seed=seed,
+                    forward_hooks=parse_forward_hooks(forward_hooks), op_timeout_s=op_timeout)
+    sys.exit(serve(cfg, echo=lambda m: click.echo(m, err=m.startswith("moetrace serve: rank")), ready_file=ready_file))
+
+
 # ---- selftest ------------------------------------------------------------------
 
 if __name__ == "__main__":

@@ -1,0 +1,183 @@
+"""Capture of KT-staged expert layers: a wrapper around ``SharedFullContext.load``.
+
+In KTransformers' SGLang fork, a long prefill stages ALL experts of a layer into
+one shared full-GPU layer (``ctx.gpu_layer``) with ``SharedFullContext.load(
+layer_idx, wrapper, original_layer, ...)``; the layer's forward is never called,
+so forward hooks do not see it. When ``load`` returns, the staged tensors are
+final on every rank and ``process_weights_after_loading`` has not run yet: that
+is when the wrapper fingerprints them (``source="staged"``).
+
+Transport order: the position of each expert in the load's CPU-expert order
+(the order the host staging buffers carry them), derived from the load's
+arguments as the fork does; experts copied GPU-to-GPU from the resident layer
+get -1; if the order cannot be derived, the expert index.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import sys
+import threading
+
+from moetrace.hooks.fused_moe import expert_tensors
+from moetrace.hooks.ranks import module_ranks
+from moetrace.tracer.capture import Tracer
+
+log = logging.getLogger("moetrace.kt")
+
+# Where the fork defines SharedFullContext (it moved between fork versions).
+KT_MODULES = ("sglang.srt.layers.moe.kt_full_context", "sglang.srt.layers.moe.kt_ep_wrapper")
+GPU_COPIED = -1
+
+_ATTACHED: dict[type, "KTLoadCapture"] = {}
+_ATTACH_LOCK = threading.Lock()
+
+
+def _ids(value) -> list[int]:
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return [int(v) for v in value]
+
+
+def transport_orders(num_experts: int, args: dict) -> tuple[list[int], str]:
+    """Per-expert transport order from the bound ``load`` arguments, and how it was found."""
+    order = list(range(num_experts))
+    original = args.get("original_layer")
+    if "cpu_expert_ids_t" in args or "gpu_expert_ids_t" in args:
+        gpu_ids, cpu_ids = args.get("gpu_expert_ids_t"), args.get("cpu_expert_ids_t")
+        if gpu_ids is None or original is None:
+            return order, "all-cpu"
+        cpu = _ids(cpu_ids) if cpu_ids is not None else []
+    elif "gpu_experts_mask" in args:
+        mask, l2g = args.get("gpu_experts_mask"), args.get("logical_to_gpu_index")
+        if mask is None or original is None or l2g is None:
+            return order, "all-cpu"
+        on_gpu = [bool(v) for v in (mask.tolist() if hasattr(mask, "tolist") else mask)]
+        cpu = [e for e in range(num_experts) if not on_gpu[e]]
+    else:
+        return order, "expert-index"
+    order = [GPU_COPIED] * num_experts
+    for pos, e in enumerate(cpu):
+        if 0 <= e < num_experts:
+            order[e] = pos
+    return order, "cpu-expert-order"
+
+
+class KTLoadCapture:
+    """Attach to a ``SharedFullContext`` class; ``detach()`` restores its ``load``."""
+
+    source = "staged"
+
+    def __init__(self, tracer: Tracer, cls: type):
+        self.tracer = tracer
+        self.cls = cls
+        self._original = None
+        self._signature: inspect.Signature | None = None
+
+    def attach(self) -> "KTLoadCapture":
+        with _ATTACH_LOCK:
+            current = self.cls.__dict__.get("load")
+            if current is None:
+                raise AttributeError(f"{self.cls.__qualname__} has no load method")
+            if getattr(current, "__moetrace_original__", None) is not None:
+                # Already wrapped (another tracer, or a second factory call): take it over.
+                prev = _ATTACHED.get(self.cls)
+                self._original = current.__moetrace_original__
+                self._signature = prev._signature if prev else inspect.signature(self._original)
+                _ATTACHED[self.cls] = self
+                return self
+            self._original = current
+            self._signature = inspect.signature(current)
+            cls = self.cls
+            original = current
+
+            @functools.wraps(original)
+            def load(ctx, *args, **kwargs):
+                result = original(ctx, *args, **kwargs)
+                capture = _ATTACHED.get(cls)
+                if capture is not None:
+                    capture.after_load(ctx, args, kwargs)
+                return result
+
+            load.__moetrace_original__ = original
+            setattr(cls, "load", load)
+            _ATTACHED[cls] = self
+        return self
+
+    def detach(self) -> None:
+        with _ATTACH_LOCK:
+            if _ATTACHED.get(self.cls) is self:
+                del _ATTACHED[self.cls]
+                setattr(self.cls, "load", self._original)
+
+    def after_load(self, ctx, args: tuple, kwargs: dict) -> None:
+        """Fingerprint every expert of ``ctx.gpu_layer``; never raises."""
+        tr = self.tracer
+        if not tr.enabled:
+            return
+        try:
+            bound = self._signature.bind(ctx, *args, **kwargs)
+            bound.apply_defaults()
+            a = dict(bound.arguments)
+            layer = a.get("layer_idx", args[0] if args else None)
+            if layer is None:
+                raise TypeError("SharedFullContext.load called without layer_idx")
+            layer = int(layer)
+            step = tr.step_for(self.source, layer)
+            if not tr.sampling.want(self.source, step, layer):
+                return
+            gpu_layer = ctx.gpu_layer
+            tensors = expert_tensors(gpu_layer)
+            if not tensors:
+                names = sorted(n for n, _ in gpu_layer.named_parameters()) if hasattr(gpu_layer, "named_parameters") else []
+                tr.note_once(f"staged layer holds no FP8/BF16 FusedMoE tensors ({', '.join(names) or 'none'}): "
+                             "staged capture skipped for this format")
+                return
+            n = next(iter(tensors.values())).shape[0]
+            orders, how = transport_orders(n, a)
+            if how == "expert-index":
+                tr.note_once("KT load signature without expert-order arguments: transport_order is the expert index")
+            ranks = module_ranks(gpu_layer, tr.tp_rank, tr.tp_size)
+            experts = list(range(n))
+            tr.capture(tensors, layer=layer, source=self.source, step=step, experts=experts,
+                       local_experts=experts, orders=orders, ranks=ranks)
+        except Exception as err:
+            try:
+                tr.record_error("kt_load_wrapper", err)
+            except Exception:
+                pass
+
+
+def find_shared_full_context(mode: object = "auto") -> list[type]:
+    """SharedFullContext classes of the fork. "auto": only when the server already
+    imported the KT wrapper module (a KT server); True: import it; False: none."""
+    if mode is False:
+        return []
+    if mode == "auto" and not any(m in sys.modules for m in KT_MODULES):
+        return []
+    found: list[type] = []
+    for name in KT_MODULES:
+        mod = sys.modules.get(name)
+        if mod is None:
+            try:
+                mod = importlib.import_module(name)
+            except Exception:
+                continue
+        cls = getattr(mod, "SharedFullContext", None)
+        if isinstance(cls, type) and "load" in cls.__dict__ and cls not in found:
+            found.append(cls)
+    return found
+
+
+def install_kt_capture(tracer: Tracer, mode: object = "auto") -> list[KTLoadCapture]:
+    """Wrap every SharedFullContext.load found; returns the attached captures."""
+    attached = []
+    for cls in find_shared_full_context(mode):
+        attached.append(KTLoadCapture(tracer, cls).attach())
+        log.info("moetrace: capturing KT staged loads via %s.%s.load", cls.__module__, cls.__qualname__)
+    if mode is True and not attached:
+        tracer.note_once("kt=true but no SharedFullContext with a load method was found: staged loads are not captured")
+    return attached

@@ -1,0 +1,262 @@
+"""``moetrace launch -- <sglang command>``: run a server with capture hooks on.
+
+Appends the moetrace ``--forward-hooks`` entry (merged into one the command
+already has) and the CUDA-graph flags for the SGLang version, runs the server
+in its own process group, and on SIGINT/SIGTERM first asks every rank to close
+its trace (a control file the ranks' writer threads poll), waits for their
+manifests to say ``finished`` (bounded), then forwards the signal. SGLang's
+shutdown SIGKILLs its workers, so without this step no rank could finish its
+manifest. A second signal kills the server's process group.
+
+``OUT/<run_id>/run.json`` records the command, versions, start/end, the
+server's exit code and a per-rank summary; ``complete`` is true only when
+every expected rank closed cleanly with nothing dropped and no hook errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Callable, Sequence
+
+from moetrace import __version__
+from moetrace.errors import MoetraceError
+from moetrace.hooks.spec import DEFAULT_TARGETS, cuda_graph_flags, hook_spec, installed_sglang_version
+from moetrace.tracer import storage
+from moetrace.tracer.manifest import RUN_MANIFEST_NAME, utc_now
+from moetrace.tracer.schema import MANIFEST_SCHEMA_VERSION
+from moetrace.tracer.sink import read_manifests
+
+TP_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size")
+
+
+def _flag_value(cmd: Sequence[str], names: Sequence[str]) -> str | None:
+    for i, arg in enumerate(cmd):
+        for n in names:
+            if arg == n and i + 1 < len(cmd):
+                return cmd[i + 1]
+            if arg.startswith(n + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def expected_tp(cmd: Sequence[str]) -> int | None:
+    v = _flag_value(cmd, TP_FLAGS)
+    return int(v) if v and v.isdigit() else None
+
+
+def build_command(cmd: Sequence[str], spec: list[dict], flags: Sequence[str]) -> list[str]:
+    """cmd + merged --forward-hooks + the CUDA-graph flags it does not have yet."""
+    out: list[str] = []
+    merged = False
+    i = 0
+    cmd = list(cmd)
+    while i < len(cmd):
+        arg = cmd[i]
+        if arg == "--forward-hooks" or arg.startswith("--forward-hooks="):
+            raw = arg.split("=", 1)[1] if "=" in arg else (cmd[i + 1] if i + 1 < len(cmd) else "[]")
+            i += 1 if "=" in arg else 2
+            try:
+                existing = json.loads(raw)
+            except json.JSONDecodeError as err:
+                raise MoetraceError(f"--forward-hooks in the server command is not JSON ({err})") from None
+            existing = existing if isinstance(existing, list) else [existing]
+            out += ["--forward-hooks", json.dumps(existing + spec)]
+            merged = True
+            continue
+        out.append(arg)
+        i += 1
+    if not merged:
+        out += ["--forward-hooks", json.dumps(spec)]
+    for f in flags:
+        if f not in out:
+            out.append(f)
+    return out
+
+
+def rank_summary(manifests: dict[int, dict], expected_ranks: int | None) -> list[dict]:
+    """One entry per expected rank (or per rank found when the count is unknown);
+    a rank without a manifest is listed with present: false."""
+    keys = ("finished", "close_reason", "disabled", "rows_written", "rows_dropped", "hook_errors", "sink_errors")
+    ranks = range(expected_ranks) if expected_ranks is not None else sorted(manifests)
+    return [{"tp_rank": r, "present": r in manifests, **{k: manifests.get(r, {}).get(k) for k in keys}} for r in ranks]
+
+
+def _common(manifests: dict[int, dict], key: str):
+    vals = {m.get(key) for m in manifests.values()} - {None}
+    return next(iter(vals)) if len(vals) == 1 else None
+
+
+def is_complete(manifests: dict[int, dict], expected_ranks: int | None) -> bool:
+    if not manifests or (expected_ranks is not None and sorted(manifests) != list(range(expected_ranks))):
+        return False
+    return all(
+        m.get("finished") and not m.get("disabled") and not m.get("rows_dropped") and not m.get("hook_errors")
+        for m in manifests.values()
+    )
+
+
+class Launcher:
+    def __init__(self, cmd: Sequence[str], config: dict, *, sglang_version: str | None = None,
+                 disable_cuda_graph: bool = True, close_timeout_s: float = 20.0,
+                 echo: Callable[[str], None] = print, targets: Sequence[str] = DEFAULT_TARGETS):
+        if not cmd:
+            raise MoetraceError("launch: give the server command after --, e.g. moetrace launch --out t -- python -m sglang.launch_server ...")
+        self.user_cmd = list(cmd)
+        self.echo = echo
+        self.close_timeout_s = close_timeout_s
+        if sglang_version:
+            self.sglang_version, how = sglang_version, "option"
+        else:
+            self.sglang_version = installed_sglang_version()
+            how = "installed" if self.sglang_version else "unknown"
+        self.version_source = how
+        self.flags = cuda_graph_flags(self.sglang_version) if disable_cuda_graph else ()
+        self.control_dir = tempfile.mkdtemp(prefix="moetrace-ctl-")
+        config = dict(config)
+        self.spec = hook_spec(config, targets)
+        run_id = self.spec[0]["config"]["run_id"]
+        self.control_file = os.path.join(self.control_dir, f"{run_id}.close")
+        self.spec[0]["config"]["control_file"] = self.control_file
+        self.config = self.spec[0]["config"]
+        self.run_id = run_id
+        self.cmd = build_command(self.user_cmd, self.spec, self.flags)
+        self.expected_ranks = expected_tp(self.user_cmd)
+        self.fs, base = storage.open_fs(self.config["out"])
+        self.run_dir = storage.join(base, run_id)
+        self.proc: subprocess.Popen | None = None
+        self._signals: list[int] = []
+        self.run_manifest = {
+            "kind": "run",
+            "schema_version": MANIFEST_SCHEMA_VERSION,
+            "run_id": run_id,
+            "out": self.config["out"],
+            "host": socket.gethostname(),
+            "launcher_pid": os.getpid(),
+            "moetrace": __version__,
+            "sglang_version": self.sglang_version,
+            "sglang_version_source": how,
+            "cuda_graph_flags": list(self.flags),
+            "user_command": self.user_cmd,
+            "command": self.cmd,
+            "hook_spec": self.spec,
+            "expected_ranks": self.expected_ranks,
+            "tp_size": self.expected_ranks,
+            "ep_size": None,
+            "checkpoint_id": self.config.get("checkpoint_id"),
+            "started_at": utc_now(),
+            "finished_at": None,
+            "finished": False,
+            "server_pid": None,
+            "server_exit_code": None,
+            "stop_signal": None,
+            "ranks_closed_before_stop": None,
+            "ranks": [],
+            "complete": False,
+        }
+
+    def _write(self) -> None:
+        storage.make_dirs(self.fs, self.run_dir)
+        storage.write_json(self.fs, storage.join(self.run_dir, RUN_MANIFEST_NAME), self.run_manifest)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signals.append(signum)
+
+    def request_close(self, timeout: float) -> bool:
+        """Ask every rank to close its trace; wait until their manifests say finished."""
+        with open(self.control_file, "w") as f:
+            f.write(utc_now() + "\n")
+        start = time.monotonic()
+        while time.monotonic() < start + timeout:
+            ms = read_manifests(self.config["out"], self.run_id)
+            if not ms and time.monotonic() > start + 2.0:
+                return False  # no rank ever opened a trace: nothing to wait for
+            if ms and all(m.get("finished") for m in ms.values()) and (
+                self.expected_ranks is None or len(ms) >= self.expected_ranks
+            ):
+                return True
+            if self.proc is not None and self.proc.poll() is not None:
+                return False
+            time.sleep(0.1)
+        return False
+
+    def run(self) -> int:
+        try:
+            self._write()
+        except Exception as err:
+            raise MoetraceError(f"output {self.config['out']}: cannot write {RUN_MANIFEST_NAME} ({err})") from None
+        self.echo(f"moetrace: run {self.run_id} -> {self.run_dir}")
+        self.echo("moetrace: " + " ".join(self.cmd[:3]) + " ... " + " ".join(self.flags))
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        env = dict(os.environ, MOETRACE_RUN_ID=self.run_id)
+        forwarded = 0
+        try:
+            try:
+                self.proc = subprocess.Popen(self.cmd, env=env, start_new_session=True)
+            except OSError as err:
+                raise MoetraceError(f"launch: cannot start {self.cmd[0]} ({err})") from None
+            self.run_manifest["server_pid"] = self.proc.pid
+            self._write()
+            while self.proc.poll() is None:
+                if len(self._signals) > forwarded:
+                    sig = self._signals[forwarded]
+                    forwarded += 1
+                    if forwarded == 1:
+                        self.run_manifest["stop_signal"] = signal.Signals(sig).name
+                        self.echo(f"moetrace: {signal.Signals(sig).name}: closing traces, then stopping the server")
+                        self.run_manifest["ranks_closed_before_stop"] = self.request_close(self.close_timeout_s)
+                        self._send(sig)
+                    else:
+                        self._kill_group()
+                time.sleep(0.1)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            self._finish()
+        rc = self.proc.returncode
+        return 128 - rc if rc is not None and rc < 0 else int(rc or 0)
+
+    def _send(self, sig: int) -> None:
+        try:
+            self.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _finish(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self._kill_group()
+            self.proc.wait()
+        manifests = read_manifests(self.config["out"], self.run_id)
+        self.run_manifest.update(
+            finished_at=utc_now(),
+            finished=True,
+            server_exit_code=None if self.proc is None else self.proc.returncode,
+            tp_size=self.expected_ranks or _common(manifests, "tp_size"),
+            ep_size=_common(manifests, "ep_size"),
+            checkpoint_id=self.config.get("checkpoint_id") or _common(manifests, "checkpoint_id"),
+            ranks=rank_summary(manifests, self.expected_ranks),
+            complete=is_complete(manifests, self.expected_ranks),
+        )
+        try:
+            self._write()
+        except Exception as err:
+            self.echo(f"moetrace: warning: cannot write {RUN_MANIFEST_NAME}: {err}")
+        shutil.rmtree(self.control_dir, ignore_errors=True)
+        state = "complete" if self.run_manifest["complete"] else "INCOMPLETE"
+        self.echo(f"moetrace: run {self.run_id} {state}: " + json.dumps(self.run_manifest["ranks"]))
+
+
+def launch(cmd: Sequence[str], config: dict, **kwargs) -> int:
+    return Launcher(cmd, config, **kwargs).run()

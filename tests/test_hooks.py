@@ -1,0 +1,488 @@
+"""hooks/: capture through SGLang's own register_forward_hooks, TP2 over gloo,
+KT staged loads, faults, hook-spec and launch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from moetrace.hooks import sglang_hook
+from moetrace.hooks.kt import GPU_COPIED, transport_orders
+from moetrace.hooks.launch import build_command, expected_tp
+from moetrace.hooks.spec import DEFAULT_TARGETS, LEGACY_CUDA_GRAPH_FLAGS, SPLIT_CUDA_GRAPH_FLAGS, cuda_graph_flags, hook_spec
+from moetrace.tracer.sink import read_manifests, read_trace
+
+CKPT = dict(num_layers=2, num_experts=8, hidden=128, intermediate=256, seed=3)
+NAMES = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def load_hook_manager():
+    """SGLang's own hook_manager.py from the installed wheel (importing the
+    sglang package pulls GPU-only deps, so load the file itself)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("sglang wheel not installed (make venv installs it with --no-deps)")
+    path = Path(spec.origin).parent / "srt" / "model_executor" / "hook_manager.py"
+    mod_spec = importlib.util.spec_from_file_location("sglang_hook_manager_under_test", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+class FakeFusedMoE(nn.Module):
+    """Module tree and params of SGLang's FusedMoE (FP8 block), forward is a no-op."""
+
+    def __init__(self, layer_id, shards, num_experts, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_experts = num_experts
+        self.num_local_experts = next(iter(shards.values())).shape[0]
+        self.moe_tp_rank, self.moe_tp_size = tp_rank, tp_size
+        self.moe_ep_rank, self.moe_ep_size = ep_rank, ep_size
+        for k, v in shards.items():
+            self.register_parameter(k, nn.Parameter(v.clone(), requires_grad=False))
+        self.before = None  # optional callable(self) run at the start of forward (KT staging)
+
+    def forward(self, x):
+        if self.before is not None:
+            self.before(self)
+        return x + 1
+
+
+class Block(nn.Module):
+    def __init__(self, experts):
+        super().__init__()
+        self.mlp = nn.Module()
+        self.mlp.experts = experts
+
+
+class FakeModel(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([Block(e) for e in layers])
+
+    def forward(self, x):
+        for block in self.model.layers:
+            x = block.mlp.experts(x)
+            if dist.is_initialized():
+                dist.all_reduce(x)
+        return x
+
+
+def build_model(ckpt_path, tp_rank=0, tp_size=1):
+    from moetrace.checkpoints.reader import open_checkpoint
+    from moetrace.checkpoints.shards import Parallel, expected_layer
+
+    ckpt = open_checkpoint(ckpt_path)
+    par = Parallel(tp_size=tp_size)
+    layers = [
+        FakeFusedMoE(L, expected_layer(ckpt, L, tp_rank, par), ckpt.spec.num_experts, tp_rank, tp_size)
+        for L in ckpt.spec.moe_layers
+    ]
+    return FakeModel(layers)
+
+
+def index_fps(index_path, tp_rank=None) -> dict:
+    t = pq.read_table(index_path).to_pylist()
+    return {(r["tp_rank"], r["layer"], r["expert"], r["tensor"]): r["fp"] for r in t if tp_rank in (None, r["tp_rank"])}
+
+
+@pytest.fixture
+def index(make_ckpt, tmp_path):
+    from moetrace.tracer.index import build_index, write_index
+
+    def make(tp_size=1):
+        path = tmp_path / f"index-tp{tp_size}.parquet"
+        write_index(build_index(make_ckpt(**CKPT), tp_size), path)
+        return str(path)
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _close_tracers():
+    yield
+    sglang_hook.close_all(timeout=10)
+
+
+def _spec(out, **config):
+    return hook_spec({"out": str(out), "flush_interval_s": 0.2, **config})
+
+
+# ----------------------------------------------------------------- through SGLang's hook manager
+
+
+def test_sglang_register_forward_hooks_matches_index(make_ckpt, index, tmp_path):
+    hm = load_hook_manager()
+    idx = index(1)
+    model = build_model(make_ckpt(**CKPT))
+    spec = _spec(tmp_path, run_id="one", index=idx)
+    hm.register_forward_hooks(model, spec)  # SGLang's code: resolve_callable + factory(config)
+    for _ in range(3):
+        model(torch.zeros(4))
+    assert sglang_hook.close_all()
+    t = read_trace(str(tmp_path), "one").to_pylist()
+    assert len(t) == 3 * 2 * 8 * 4
+    want = index_fps(idx)
+    assert all(r["fp"] == want[(0, r["layer"], r["expert"], r["tensor"])] for r in t)
+    assert {r["online"] for r in t} == {"match"}
+    assert sorted({(r["step"], r["layer"]) for r in t}) == [(s, L) for s in range(3) for L in (0, 1)]
+    m = read_manifests(str(tmp_path), "one")[0]
+    assert m["finished"] and m["hook_errors"] == 0 and m["online"] == {"match": len(t), "mismatch": 0, "unchecked": 0}
+    assert m["checkpoint_id"] == pq.read_table(idx).column("checkpoint_id")[0].as_py()
+    assert m["rank_source"] in ("default", "env")
+
+
+def test_swapped_expert_slice_is_recorded_and_dumped(make_ckpt, index, tmp_path):
+    hm = load_hook_manager()
+    idx = index(1)
+    model = build_model(make_ckpt(**CKPT))
+    w = model.model.layers[1].mlp.experts.w2_weight_scale_inv
+    with torch.no_grad():  # expert 3 ends up holding expert 5's down-proj scale (E+2)
+        w[3] = w[5].clone()
+    hm.register_forward_hooks(model, _spec(tmp_path, run_id="swap", index=idx, dump_max_count=1, chunk_fps="mismatch"))
+    model(torch.zeros(2))
+    model(torch.zeros(2))
+    assert sglang_hook.close_all()
+    t = read_trace(str(tmp_path), "swap").to_pylist()
+    bad = [r for r in t if r["online"] == "mismatch"]
+    assert [(r["step"], r["layer"], r["expert"], r["tensor"]) for r in bad] == [
+        (0, 1, 3, "w2_weight_scale_inv"), (1, 1, 3, "w2_weight_scale_inv")]
+    want = index_fps(idx)
+    assert bad[0]["fp"] == want[(0, 1, 5, "w2_weight_scale_inv")]  # the bytes are expert 5's
+    assert bad[0]["chunk_fps"] and all(r["chunk_fps"] is None for r in t if r["online"] == "match")
+    m = read_manifests(str(tmp_path), "swap")[0]
+    assert m["dumps"]["count"] == 1 and m["dumps"]["skipped"] == 1 and m["online"]["mismatch"] == 2
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "swap" / "rank=0" / m["dumps"]["files"][0], "pt") as f:
+        assert torch.equal(f.get_tensor("w2_weight_scale_inv"), w[5])
+        assert f.metadata()["expected_fp"] == want[(0, 1, 3, "w2_weight_scale_inv")].hex()
+
+
+# ----------------------------------------------------------------- TP2 over gloo, two processes
+
+
+def _tp2_worker(rank, world, port, ckpt_path, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        hm = load_hook_manager()
+        model = build_model(ckpt_path, rank, world)
+        # Rank detection: no tp_rank in the config; torch.distributed answers.
+        hm.register_forward_hooks(model, json.loads(out["spec"]))
+        for _ in range(3):
+            model(torch.ones(4))
+        assert sglang_hook.close_all(timeout=30)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp2_gloo_two_processes(make_ckpt, index, tmp_path):
+    ckpt = make_ckpt(**CKPT)
+    idx = index(2)
+    spec = json.dumps(_spec(tmp_path, run_id="tp2", index=idx))
+    mp.spawn(_tp2_worker, args=(2, _free_port(), str(ckpt), {"spec": spec}), nprocs=2, join=True)
+    ms = read_manifests(str(tmp_path), "tp2")
+    assert sorted(ms) == [0, 1] and all(m["finished"] and m["rank_source"] == "torch.distributed" for m in ms.values())
+    t = read_trace(str(tmp_path), "tp2").to_pylist()
+    keys = {r: {(x["step"], x["layer"], x["expert"], x["tensor"]) for x in t if x["tp_rank"] == r} for r in (0, 1)}
+    assert keys[0] == keys[1] and len(keys[0]) == 3 * 2 * 8 * 4  # rows line up by step
+    want = index_fps(idx)
+    assert all(x["fp"] == want[(x["tp_rank"], x["layer"], x["expert"], x["tensor"])] for x in t)
+    assert {x["online"] for x in t} == {"match"}
+    assert {(x["tp_rank"], x["tp_size"], x["moe_tp_rank"]) for x in t} == {(0, 2, 0), (1, 2, 1)}
+    r0 = {(x["step"], x["layer"], x["expert"], x["tensor"]): x["fp"] for x in t if x["tp_rank"] == 0}
+    r1 = {(x["step"], x["layer"], x["expert"], x["tensor"]): x["fp"] for x in t if x["tp_rank"] == 1}
+    assert sum(r0[k] != r1[k] for k in r0) == len(r0)  # each rank holds its own shard
+
+
+# ----------------------------------------------------------------- KT staged loads
+
+
+class FakeSharedFullContext:
+    """Stands in for the KT fork's SharedFullContext: ``load`` stages every expert of
+    a layer into ``gpu_layer`` in CPU-expert order, double-buffered. race=True
+    reproduces the bug: the last tensor copied (w2 scale) of expert idx holds
+    the bytes of the expert two places later in the order (E+2)."""
+
+    def __init__(self, host_layers: dict, race=False):
+        self.host = host_layers  # layer -> {name: [E, ...]}
+        first = next(iter(host_layers.values()))
+        self.gpu_layer = FakeFusedMoE(99, {k: torch.zeros_like(v) for k, v in first.items()}, first["w13_weight"].shape[0])
+        self.race = race
+
+    def load(self, layer_idx, wrapper, original_layer=None, gpu_experts_mask=None, logical_to_gpu_index=None):
+        src = self.host[layer_idx]
+        n = src["w13_weight"].shape[0]
+        use_mask = gpu_experts_mask is not None and original_layer is not None and logical_to_gpu_index is not None
+        cpu = [e for e in range(n) if not (use_mask and bool(gpu_experts_mask[e]))]
+        with torch.no_grad():
+            for e in range(n):
+                if e not in cpu:
+                    for k in NAMES:
+                        getattr(self.gpu_layer, k)[e].copy_(getattr(original_layer, k)[int(logical_to_gpu_index[e])])
+            for idx, e in enumerate(cpu):
+                for k in NAMES:
+                    stale = self.race and k == "w2_weight_scale_inv" and idx + 2 < len(cpu)
+                    getattr(self.gpu_layer, k)[e].copy_(src[k][cpu[idx + 2] if stale else e])
+        return None
+
+
+def test_transport_orders_from_each_load_signature():
+    mask = torch.tensor([True, False, False, True, False])
+    assert transport_orders(5, {"layer_idx": 0, "original_layer": object(), "gpu_experts_mask": mask,
+                                "logical_to_gpu_index": torch.arange(5)}) == ([-1, 0, 1, -1, 2], "cpu-expert-order")
+    assert transport_orders(3, {"original_layer": None, "gpu_experts_mask": None,
+                                "logical_to_gpu_index": None}) == ([0, 1, 2], "all-cpu")
+    ids = {"original_layer": object(), "gpu_expert_ids_t": torch.tensor([2]), "cpu_expert_ids_t": torch.tensor([3, 0, 1]),
+           "gpu_indices_t": torch.tensor([0])}
+    assert transport_orders(4, ids) == ([1, 2, GPU_COPIED, 0], "cpu-expert-order")
+    assert transport_orders(2, {"original_layer": None}) == ([0, 1], "expert-index")
+
+
+def test_kt_staged_load_capture_via_factory(make_ckpt, index, tmp_path, monkeypatch):
+    """The factory finds SharedFullContext in the (fake) KT module, wraps load; the
+    forward of each layer stages it first, like KTEPWrapperMethod.apply does."""
+    import types
+
+    from moetrace.checkpoints.reader import open_checkpoint
+    from moetrace.checkpoints.shards import Parallel, expected_layer
+
+    hm = load_hook_manager()
+    idx = index(1)
+    ckpt = open_checkpoint(make_ckpt(**CKPT))
+    host = {L: expected_layer(ckpt, L, 0, Parallel(1)) for L in ckpt.spec.moe_layers}
+    fake_kt = types.ModuleType("sglang.srt.layers.moe.kt_ep_wrapper")
+
+    class SharedFullContext(FakeSharedFullContext):
+        pass
+
+    SharedFullContext.load = FakeSharedFullContext.load  # defined on the class itself, as in the fork
+    fake_kt.SharedFullContext = SharedFullContext
+    monkeypatch.setitem(sys.modules, fake_kt.__name__, fake_kt)
+    ctx = SharedFullContext(host, race=True)
+    model = build_model(make_ckpt(**CKPT))
+    mask = torch.tensor([e in (2, 6) for e in range(8)])
+    l2g = torch.arange(8)
+
+    def stage(module):
+        ctx.load(module.layer_id, None, module, mask, l2g)
+
+    for block in model.model.layers:
+        block.mlp.experts.before = stage
+    spec = _spec(tmp_path, run_id="kt", index=idx)
+    hm.register_forward_hooks(model, spec)
+    assert sglang_hook.make_hook(spec[0]["config"]) is not None  # a second factory call: no double wrap
+    assert SharedFullContext.load.__moetrace_original__ is FakeSharedFullContext.load
+    try:
+        for _ in range(2):
+            model(torch.zeros(2))
+    finally:
+        for cap in list(sys.modules["moetrace.hooks.kt"]._ATTACHED.values()):
+            cap.detach()
+    assert SharedFullContext.load is FakeSharedFullContext.load
+    assert sglang_hook.close_all()
+    t = read_trace(str(tmp_path), "kt").to_pylist()
+    staged = [r for r in t if r["source"] == "staged"]
+    resident = [r for r in t if r["source"] == "resident"]
+    assert len(staged) == len(resident) == 2 * 2 * 8 * 4
+    assert {(r["step"], r["layer"]) for r in staged} == {(r["step"], r["layer"]) for r in resident}
+    cpu_order = [e for e in range(8) if e not in (2, 6)]
+    orders = {r["expert"]: r["transport_order"] for r in staged}
+    assert orders == {e: (cpu_order.index(e) if e in cpu_order else -1) for e in range(8)}
+    bad = {(r["expert"], r["tensor"]) for r in staged if r["online"] == "mismatch"}
+    # every CPU expert but the last two of the order got E+2's scale
+    assert bad == {(e, "w2_weight_scale_inv") for e in cpu_order[:-2]}
+    want = index_fps(idx)
+    for r in staged:
+        if r["online"] == "mismatch":
+            e2 = cpu_order[cpu_order.index(r["expert"]) + 2]
+            assert r["fp"] == want[(0, r["layer"], e2, r["tensor"])]
+    assert {r["online"] for r in resident} == {"match"}
+
+
+def test_slot_to_global_expert_ids(tmp_path):
+    from types import SimpleNamespace
+
+    from moetrace.hooks.fused_moe import slot_experts
+
+    ep = FakeFusedMoE(0, {"w2_weight": torch.zeros(4, 2)}, 8, ep_rank=1, ep_size=2)
+    assert slot_experts(ep, 4, 1) == ([4, 5, 6, 7], "ep-rank")
+    kt = SimpleNamespace(quant_method=SimpleNamespace(gpu_index_to_logical=torch.tensor([5, 1, 7])))
+    assert slot_experts(kt, 3, 0) == ([5, 1, 7], "kt-gpu-index")
+    inv = SimpleNamespace(quant_method=SimpleNamespace(logical_to_gpu_index=torch.tensor([-1, 1, -1, 0])))
+    assert slot_experts(inv, 2, 0) == ([3, 1], "kt-logical-index")
+    none = SimpleNamespace(quant_method=SimpleNamespace(num_gpu_experts=0))
+    assert slot_experts(none, 1, 0) == (None, "kt-no-gpu-experts")
+    # Through the hook: EP rank 1 of 2 records global ids 4..7.
+    tr = sglang_hook.get_tracer(sglang_hook.TraceConfig.from_dict({"out": str(tmp_path), "run_id": "ep", "tp_rank": 1, "tp_size": 2}))
+    sglang_hook.FusedMoECapture(tr)(ep, (), None)
+    assert tr.close()
+    rows = read_trace(str(tmp_path), "ep").to_pylist()
+    assert [(r["expert"], r["local_expert"], r["ep_rank"], r["ep_size"]) for r in rows] == [(4 + i, i, 1, 2) for i in range(4)]
+
+
+# ----------------------------------------------------------------- faults
+
+
+class _Exploding(FakeFusedMoE):
+    @property
+    def w2_weight(self):  # a param read that fails inside the hook
+        raise RuntimeError("device lost")
+
+
+def test_hook_error_is_counted_and_disables_after_limit(make_ckpt, tmp_path):
+    hm = load_hook_manager()
+    good = build_model(make_ckpt(**CKPT))
+    bad = _Exploding(0, {k: v for k, v in good.model.layers[0].mlp.experts.named_parameters() if k != "w2_weight"}, 8)
+    good.model.layers[0].mlp.experts = bad
+    hm.register_forward_hooks(good, _spec(tmp_path, run_id="err", max_hook_errors=3))
+    for _ in range(5):
+        assert torch.equal(good(torch.zeros(2)), torch.full((2,), 2.0))  # the host keeps running
+    assert sglang_hook.close_all()
+    m = read_manifests(str(tmp_path), "err")[0]
+    assert m["hook_errors"] == 3 and m["disabled"] and "max_hook_errors=3" in m["disabled_reason"]
+    assert "device lost" in m["errors"][0]["message"] and m["finished"]
+    t = read_trace(str(tmp_path), "err").to_pylist()
+    assert {r["layer"] for r in t} == {1} and {r["step"] for r in t} == {0, 1}  # off from the 3rd error on
+
+
+def test_unwritable_output_leaves_the_server_untraced(make_ckpt, tmp_path, caplog):
+    hm = load_hook_manager()
+    (tmp_path / "f").write_text("x")
+    model = build_model(make_ckpt(**CKPT))
+    spec = _spec(tmp_path / "f" / "trace")
+    hm.register_forward_hooks(model, spec)  # factory returns None: nothing registered, no raise
+    assert model(torch.zeros(2)).tolist() == [2.0, 2.0]
+    assert not any(m.mlp.experts._forward_hooks for m in model.model.layers)
+    assert "cannot start tracing" in caplog.text
+    assert sglang_hook.make_hook({"out": str(tmp_path), "bogus": 1}) is None  # bad config: also no raise
+
+
+# ----------------------------------------------------------------- spec, flags, CLI, launch
+
+
+def test_hook_spec_and_cuda_graph_flags(tmp_path):
+    from click.testing import CliRunner
+
+    from moetrace.cli import main
+
+    res = CliRunner().invoke(main, ["hook-spec", "--out", "rel/t", "--layers", "0-3", "--kt", "off", "--first", "5"])
+    assert res.exit_code == 0, res.output
+    spec = json.loads(res.output)
+    assert spec[0]["hook_factory"] == "moetrace.hooks.sglang_hook:make_hook"
+    assert spec[0]["target_modules"] == list(DEFAULT_TARGETS)
+    c = spec[0]["config"]
+    assert c["out"] == os.path.abspath("rel/t") and c["layers"] == "0-3" and c["kt"] is False and c["run_id"]
+    bad = CliRunner().invoke(main, ["hook-spec", "--out", "t", "--layers", "x"])
+    assert bad.exit_code == 2 and "layers" in bad.output
+    assert cuda_graph_flags("0.5.23") == cuda_graph_flags("0.6.0rc1") == SPLIT_CUDA_GRAPH_FLAGS
+    assert cuda_graph_flags("0.5.4.post3+kt") == cuda_graph_flags(None) == LEGACY_CUDA_GRAPH_FLAGS
+    other = [{"name": "x", "target_modules": ["a"], "hook_factory": "m:f"}]
+    cmd = build_command(["python", "-m", "sglang.launch_server", "--tp", "2", "--forward-hooks", json.dumps(other)],
+                        hook_spec({"out": str(tmp_path)}), SPLIT_CUDA_GRAPH_FLAGS)
+    hooks = json.loads(cmd[cmd.index("--forward-hooks") + 1])
+    assert [h["name"] for h in hooks] == ["x", "moetrace"] and cmd.count("--forward-hooks") == 1
+    assert cmd[-2:] == list(SPLIT_CUDA_GRAPH_FLAGS) and expected_tp(cmd) == 2
+
+
+_FAKE_SERVER = textwrap.dedent(
+    """
+    # A stand-in for `python -m sglang.launch_server`: registers --forward-hooks with
+    # SGLang's hook manager in each of --tp worker processes, serves forward passes,
+    # and on SIGTERM kills its workers with SIGKILL (as SGLang's shutdown does).
+    import json, os, signal, sys, time
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    args = sys.argv[1:]
+    spec = json.loads(args[args.index("--forward-hooks") + 1])
+    tp = int(args[args.index("--tp") + 1])
+    assert "--disable-prefill-cuda-graph" in args and "--disable-decode-cuda-graph" in args
+    ckpt = os.environ["FAKE_CKPT"]
+    if os.environ.get("FAKE_WORKER") is None:
+        import subprocess
+        kids = [subprocess.Popen([sys.executable] + sys.argv, env=dict(os.environ, FAKE_WORKER=str(r))) for r in range(tp)]
+        def stop(*_):
+            for k in kids:
+                k.kill()
+            for k in kids:
+                k.wait()
+            os._exit(0)
+        signal.signal(signal.SIGTERM, stop)
+        while True:
+            time.sleep(0.1)
+    import torch, test_hooks as th
+    assert "sglang" not in sys.modules and "pandas" not in sys.modules
+    rank = int(os.environ["FAKE_WORKER"])
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(tp)
+    model = th.build_model(ckpt, rank, tp)
+    th.load_hook_manager().register_forward_hooks(model, spec)
+    while True:
+        model(torch.zeros(2))
+        time.sleep(0.05)
+    """
+)
+
+
+def test_launch_runs_server_and_finishes_the_trace(make_ckpt, tmp_path):
+    server = tmp_path / "fake_server.py"
+    server.write_text(_FAKE_SERVER.replace("os.path.dirname(os.path.abspath(__file__))", repr(str(Path(__file__).parent))))
+    out = tmp_path / "traces"
+    env = dict(os.environ, FAKE_CKPT=str(make_ckpt(**CKPT)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moetrace.cli", "launch", "--out", str(out), "--run-id", "L", "--sglang-version", "0.5.23",
+         "--close-timeout", "20", "--", sys.executable, str(server), "--model-path", "m", "--tp", "2"],
+        env=env, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            ms = read_manifests(str(out), "L")
+            if len(ms) == 2 and all(m["parts"] for m in ms.values()):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the ranks never wrote a part")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    run = json.loads((out / "L" / "run.json").read_text())
+    assert run["finished"] and run["complete"] and run["ranks_closed_before_stop"] is True
+    assert run["stop_signal"] == "SIGTERM" and run["server_exit_code"] == 0 and run["expected_ranks"] == 2
+    assert run["cuda_graph_flags"] == list(SPLIT_CUDA_GRAPH_FLAGS) and run["tp_size"] == 2
+    assert [(r["tp_rank"], r["present"], r["finished"]) for r in run["ranks"]] == [(0, True, True), (1, True, True)]
+    ms = read_manifests(str(out), "L")
+    assert all(m["finished"] and m["close_reason"] == "control-file" and m["rank_source"] == "env" for m in ms.values())
+    t = read_trace(str(out), "L")
+    assert t.num_rows == sum(m["rows_written"] for m in ms.values()) > 0
+    assert "complete" in err

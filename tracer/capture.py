@@ -1,0 +1,255 @@
+"""The capture core: stacked expert tensors -> device lanes -> queued batches.
+
+Framework-free: callers (hooks/) hand over ``{param name: [E, ...] tensor}`` plus
+the layer, the global expert ids and the transport order. Per parameter there is
+one batched lane computation on the tensor's device (``fingerprint.row_lanes``)
+and one small device-to-host copy (pinned, non-blocking, with a CUDA event on
+GPU); the BLAKE2b folding runs in the sink's writer thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import traceback
+import weakref
+from typing import Mapping, Sequence
+
+import torch
+
+from moetrace.tracer.config import TraceConfig
+from moetrace.tracer.fingerprint import finalize, row_bytes, row_lanes
+from moetrace.tracer.online import MISMATCH, OnlineIndex
+from moetrace.tracer.schema import TENSOR_NAMES
+from moetrace.tracer.sink import CaptureBatch, RankInfo, TraceSink
+
+log = logging.getLogger("moetrace.capture")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class StepCounter:
+    """Forward-pass number of this rank, equal on every rank for the same pass.
+
+    MoE layers run in increasing layer order within a pass, so a layer id that
+    is not above the previous one starts a new pass. A staged (KT) load of layer
+    L happens inside layer L's forward, before its forward hook: the load
+    advances the counter and the hook of the same layer does not advance it again.
+    """
+
+    def __init__(self):
+        self.step = 0
+        self._last: int | None = None
+        self._staged_at: int | None = None
+
+    def _advance(self, layer: int) -> None:
+        if self._last is not None and layer <= self._last:
+            self.step += 1
+        self._last = layer
+
+    def resident(self, layer: int) -> int:
+        if self._staged_at is not None and layer == self._staged_at:
+            self._staged_at = None
+            return self.step
+        self._staged_at = None
+        self._advance(layer)
+        return self.step
+
+    def staged(self, layer: int) -> int:
+        self._advance(layer)
+        self._staged_at = layer
+        return self.step
+
+
+class Tracer:
+    """One per rank process: owns the sink, the step counter and error accounting."""
+
+    def __init__(self, config: TraceConfig, tp_rank: int, tp_size: int, rank_source: str = "config"):
+        self.config = config
+        self.sampling = config.sampling
+        self.tp_rank, self.tp_size = int(tp_rank), int(tp_size)
+        self.steps = StepCounter()
+        self.enabled = True
+        self.disabled_reason: str | None = None
+        self._lock = threading.RLock()
+        self._event_lock = threading.RLock()  # a capture event is queued whole or not at all
+        self._load_seq = 0
+        self._logged: set[str] = set()
+        self._ranks_reported = False
+        self.verifier, index_error = None, None
+        if config.index:
+            try:
+                self.verifier = OnlineIndex(config.index, self.tp_rank)
+            except Exception as err:  # trace anyway; the manifest says verification is off
+                index_error = f"online verification off: {err}"
+        checkpoint_id = config.checkpoint_id or (self.verifier.checkpoint_id if self.verifier else None)
+        self.sink = TraceSink(
+            config.out,
+            config.run_id,
+            self.tp_rank,
+            self.tp_size,
+            config=config.to_dict(),
+            checkpoint_id=checkpoint_id,
+            rank_source=rank_source,
+            rows_per_part=config.rows_per_part,
+            flush_interval_s=config.flush_interval_s,
+            queue_size=config.queue_size,
+            queue_max_bytes=config.queue_max_bytes,
+            chunk_fps=config.chunk_fps,
+            verifier=self.verifier,
+            dump_max_count=config.dump_max_count,
+            dump_max_bytes=config.dump_max_bytes,
+            max_error_messages=config.max_error_messages,
+            control_file=config.control_file,
+            on_control=self._on_control,
+        )
+        if index_error:
+            self.sink.record_error("sink", index_error)
+            log.error("moetrace: %s", index_error)
+        if self.verifier is not None and not len(self.verifier):
+            self.sink.note(f"index {config.index} has no rows for tp_rank {self.tp_rank}: nothing is verified online")
+        self._sync_verify = self.verifier is not None and config.dump_max_count > 0
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().close("atexit", timeout=config.close_timeout_s))
+
+    # ------------------------------------------------------------ steps
+
+    def step_for(self, source: str, layer: int) -> int:
+        with self._lock:
+            step = self.steps.staged(layer) if source == "staged" else self.steps.resident(layer)
+        self.sink.set_steps_seen(step + 1)
+        if self.enabled and self.sampling.past_last_step(step):
+            self.enabled = False
+            self.disabled_reason = f"first_n_steps={self.sampling.first_n_steps} reached"
+            self.sink.close("sampling-complete", wait=False)
+        return step
+
+    # ------------------------------------------------------------ capture
+
+    def capture(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        layer: int,
+        source: str,
+        step: int,
+        experts: Sequence[int],
+        local_experts: Sequence[int] | None = None,
+        orders: Sequence[int] | None = None,
+        ranks: RankInfo | None = None,
+    ) -> int:
+        """Queue one capture event; returns the rows submitted (0 when sampled out)."""
+        with self._event_lock:
+            if not self.enabled or not self.sampling.want(source, step, layer):
+                return 0
+            return self._capture(tensors, layer, source, step, experts, local_experts, orders, ranks)
+
+    def _capture(self, tensors, layer, source, step, experts, local_experts, orders, ranks) -> int:
+        experts = [int(e) for e in experts]
+        local_experts = list(range(len(experts))) if local_experts is None else [int(e) for e in local_experts]
+        orders = list(local_experts) if orders is None else [int(o) for o in orders]
+        pos = self.sampling.expert_positions(experts)
+        if pos is not None:
+            if not pos:
+                return 0
+            experts = [experts[i] for i in pos]
+            local_experts = [local_experts[i] for i in pos]
+            orders = [orders[i] for i in pos]
+        ranks = ranks or RankInfo(self.tp_size, self.tp_rank, 1, 0, self.tp_size, self.tp_rank)
+        if not self._ranks_reported:
+            self._ranks_reported = True
+            self.sink.update(ep_size=ranks.ep_size, ep_rank=ranks.ep_rank,
+                             moe_tp_size=ranks.moe_tp_size, moe_tp_rank=ranks.moe_tp_rank)
+        with self._lock:
+            seq = self._load_seq
+            self._load_seq += 1
+        t_ns = time.time_ns()
+        submitted = 0
+        for name, t in tensors.items():
+            if name not in TENSOR_NAMES or not self.sampling.want_tensor(name):
+                continue
+            data = t.detach()
+            if pos is not None and len(pos) != data.shape[0]:
+                data = data.index_select(0, torch.as_tensor(pos, device=data.device))
+            rows = row_bytes(data)
+            lanes, ready = self._lanes(rows)
+            batch = CaptureBatch(
+                ranks=ranks, step=step, source=source, load_seq=seq, layer=int(layer), tensor=name,
+                dtype=dtype_name(data.dtype), shape=list(data.shape[1:]), nbytes=int(rows.shape[1]),
+                experts=experts, local_experts=local_experts, orders=orders, time_ns=t_ns,
+                lanes=lanes, ready=ready,
+            )
+            if self._sync_verify:
+                self._verify_now(batch, data)
+            if self.sink.submit(batch):
+                submitted += batch.n_rows
+        return submitted
+
+    def _lanes(self, rows: torch.Tensor):
+        if rows.device.type == "cpu":
+            return row_lanes(rows, threads=self.config.cpu_threads), None
+        dev = row_lanes(rows, method="torch")  # one batched computation for all experts
+        if rows.device.type != "cuda":
+            return dev.cpu(), None
+        host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+        host.copy_(dev, non_blocking=True)  # one small D2H per param; no sync in the hook
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(rows.device))
+        return host, ready
+
+    def _verify_now(self, b: CaptureBatch, data: torch.Tensor) -> None:
+        """Fold and compare in the hook (only when mismatches may be dumped: the
+        tensor must be copied before the server changes it)."""
+        if b.ready is not None:
+            b.ready.synchronize()
+        fps = finalize(b.lanes, b.nbytes)
+        b.fps, b.lanes, b.ready = fps, None, None
+        b.online = self.verifier.verdicts(b.layer, b.experts, b.tensor, [f.digest for f in fps])
+        for i, v in enumerate(b.online):
+            if v == MISMATCH and self.sink.reserve_dump(b.nbytes):
+                want = self.verifier.expected(b.layer, b.experts[i], b.tensor)
+                b.dumps.append((b.experts[i], data[i].to("cpu", copy=True), want, fps[i].digest))
+
+    # ------------------------------------------------------------ errors, lifecycle
+
+    def record_error(self, where: str, err: BaseException) -> None:
+        """Count an error, log it once per (where, type), disable after max_hook_errors."""
+        msg = f"{where}: {type(err).__name__}: {err}"
+        n = self.sink.record_error("hook", msg + "\n" + "".join(traceback.format_exception(err))[-1500:])
+        key = f"{where}:{type(err).__name__}"
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning("moetrace: capture error (tracing continues; counted in the manifest): %s", msg)
+        limit = self.config.max_hook_errors
+        if limit is not None and n >= limit and self.enabled:
+            self.disable(f"{n} hook errors (max_hook_errors={limit})")
+
+    def note_once(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            log.warning("moetrace: %s", message)
+            self.sink.note(message)
+
+    def disable(self, reason: str) -> None:
+        self.enabled = False
+        self.disabled_reason = reason
+        self.sink.update(disabled=True, disabled_reason=reason)
+        log.warning("moetrace: tracing disabled on rank %d: %s", self.tp_rank, reason)
+        self.sink.close(f"disabled: {reason}", wait=False)
+
+    def _on_control(self) -> None:
+        with self._event_lock:  # let an event in flight finish, then stop
+            self.enabled = False
+            self.disabled_reason = "closed by control file"
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        return self.sink.flush(timeout)
+
+    def close(self, reason: str = "close", timeout: float | None = None) -> bool:
+        with self._event_lock:
+            self.enabled = False
+        return self.sink.close(reason, timeout=self.config.close_timeout_s if timeout is None else timeout)

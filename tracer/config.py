@@ -1,0 +1,109 @@
+"""The capture configuration: plain JSON in, one frozen record out.
+
+The same dict travels as the ``config`` of a ``--forward-hooks`` entry, so every
+key has a JSON-friendly default and unknown keys are refused (a typo must not
+silently turn tracing off). docs/capture.md lists every key.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+
+from moetrace.errors import MoetraceError
+from moetrace.tracer.sampling import Sampling
+
+CHUNK_FP_MODES = ("all", "mismatch", "none")
+KT_MODES = ("auto", True, False)
+_SAMPLING_KEYS = ("layers", "experts", "tensors", "sources", "every_n_steps", "first_n_steps")
+
+
+def new_run_id() -> str:
+    """Sortable, unique enough: 20250101-120000-<6 hex>."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def default_run_id() -> str:
+    """The run id when the config names none: MOETRACE_RUN_ID, else one derived
+    from what all TP workers of one server share (host and parent pid)."""
+    env = os.environ.get("MOETRACE_RUN_ID")
+    if env:
+        return env
+    return f"{socket.gethostname()}-ppid{os.getppid()}"
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    out: str  # local folder or pyarrow/fsspec URL (file://, s3://, gs://, hdfs://)
+    run_id: str = ""
+    checkpoint_id: str | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    chunk_fps: str = "all"  # which rows carry chunk fingerprints: all | mismatch | none
+    index: str | None = None  # index Parquet path/URL for online verification
+    dump_max_count: int = 0  # mismatching tensors to dump as safetensors (0: off)
+    dump_max_bytes: int = 256 << 20
+    queue_size: int = 1024  # capture batches (one per param per load) waiting for the writer
+    queue_max_bytes: int = 256 << 20  # host bytes those batches may hold
+    rows_per_part: int = 65536
+    flush_interval_s: float = 5.0
+    max_hook_errors: int | None = 10  # disable tracing after this many errors (None: never)
+    max_error_messages: int = 5
+    tp_rank: int | None = None  # override rank detection
+    tp_size: int | None = None
+    kt: object = "auto"  # install the KT SharedFullContext.load wrapper: auto | true | false
+    control_file: str | None = None  # a local file whose appearance asks every rank to close
+    cpu_threads: bool = True  # fingerprint CPU tensors on all cores
+    close_timeout_s: float = 30.0
+
+    @classmethod
+    def from_dict(cls, cfg: dict | None) -> "TraceConfig":
+        cfg = dict(cfg or {})
+        names = {f.name for f in fields(cls)} - {"sampling"}
+        unknown = sorted(set(cfg) - names - set(_SAMPLING_KEYS))
+        if unknown:
+            raise MoetraceError(
+                f"hook config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(names | set(_SAMPLING_KEYS)))}"
+            )
+        if not cfg.get("out"):
+            raise MoetraceError("hook config: 'out' (output folder or URL) is required")
+        sampling = Sampling.from_config({k: cfg.pop(k) for k in _SAMPLING_KEYS if k in cfg})
+        kwargs = {k: v for k, v in cfg.items() if v is not None or k in ("max_hook_errors",)}
+        try:
+            conf = cls(sampling=sampling, **kwargs)
+        except TypeError as err:
+            raise MoetraceError(f"hook config: {err}") from None
+        return conf._checked()
+
+    def _checked(self) -> "TraceConfig":
+        if self.chunk_fps not in CHUNK_FP_MODES:
+            raise MoetraceError(f"chunk_fps: {self.chunk_fps!r}; expected one of {list(CHUNK_FP_MODES)}")
+        if self.kt not in KT_MODES:
+            raise MoetraceError(f"kt: {self.kt!r}; expected \"auto\", true or false")
+        for name in ("queue_size", "rows_per_part"):
+            if int(getattr(self, name)) < 1:
+                raise MoetraceError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("dump_max_count", "dump_max_bytes", "queue_max_bytes", "max_error_messages"):
+            if int(getattr(self, name)) < 0:
+                raise MoetraceError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.max_hook_errors is not None and int(self.max_hook_errors) < 1:
+            raise MoetraceError(f"max_hook_errors: must be >= 1 or null, got {self.max_hook_errors}")
+        if self.flush_interval_s <= 0:
+            raise MoetraceError(f"flush_interval_s: must be > 0, got {self.flush_interval_s}")
+        if self.chunk_fps == "mismatch" and not self.index:
+            raise MoetraceError("chunk_fps=mismatch needs an index (online verification) to know what mismatches")
+        if self.dump_max_count and not self.index:
+            raise MoetraceError("dump_max_count > 0 needs an index (online verification) to know what mismatches")
+        run_id = self.run_id or default_run_id()
+        if "/" in run_id or run_id in (".", ".."):
+            raise MoetraceError(f"run_id: {run_id!r} must be a single path component")
+        object.__setattr__(self, "run_id", run_id)
+        return self
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("sampling")
+        d.update(self.sampling.to_config())
+        return d

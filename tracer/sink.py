@@ -1,0 +1,495 @@
+"""The per-rank trace writer: captured batches -> Parquet parts + manifest.
+
+The hot path (a forward hook) only enqueues a ``CaptureBatch`` (per-expert lanes
+already on the host, or a CUDA event that says when they will be). A background
+thread folds lanes into fingerprints (``fingerprint.finalize``), checks them
+against the index when online verification is on, and writes
+
+    OUT/<run_id>/rank=<r>/part-NNNNN.parquet   (TRACE_SCHEMA, one row per tensor)
+    OUT/<run_id>/rank=<r>/manifest.json        (rewritten after every part)
+    OUT/<run_id>/rank=<r>/dumps/*.safetensors  (mismatching tensors, capped)
+
+Parts and manifests are written under a temporary dot-name and moved into
+place. The queue is bounded in batches and bytes: when full, ``submit`` drops
+the batch and counts its rows; it never blocks. Nothing here raises into the
+caller after construction: failures are counted and recorded in the manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from moetrace.errors import MoetraceError
+from moetrace.tracer import storage
+from moetrace.tracer.fingerprint import Fingerprint, finalize
+from moetrace.tracer.manifest import MANIFEST_NAME, new_rank_manifest, rank_dir_name, utc_now
+from moetrace.tracer.online import OnlineIndex
+from moetrace.tracer.schema import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, copy_order
+
+log = logging.getLogger("moetrace.sink")
+
+_TICK_S = 0.25  # writer wake-up period (control file, flush deadline)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    moe_tp_size: int = 1
+    moe_tp_rank: int = 0
+
+
+@dataclass
+class CaptureBatch:
+    """All captured experts of one parameter in one capture event."""
+
+    ranks: RankInfo
+    step: int
+    source: str  # "resident" | "staged"
+    load_seq: int
+    layer: int
+    tensor: str
+    dtype: str
+    shape: list[int]  # per-expert shape
+    nbytes: int  # per expert
+    experts: list[int]  # global ids, one per row
+    local_experts: list[int]
+    orders: list[int]  # transport order per row
+    time_ns: int
+    lanes: np.ndarray | torch.Tensor | None = None  # [rows, chunks, 4] on the host
+    ready: object | None = None  # torch.cuda.Event to wait on before reading lanes
+    fps: list[Fingerprint] | None = None  # set when already finalized (sync verification)
+    online: list[str | None] | None = None
+    dumps: list[tuple[int, torch.Tensor, bytes | None, bytes]] = field(default_factory=list)
+    # (expert, host tensor copy, expected fp, captured fp) for mismatches to dump
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.experts)
+
+    @property
+    def host_bytes(self) -> int:
+        lanes = 0 if self.lanes is None else int(self.lanes.nbytes) if isinstance(self.lanes, np.ndarray) else self.lanes.numel() * 8
+        return lanes + sum(int(t.numel() * t.element_size()) for _, t, _, _ in self.dumps) + 256 * self.n_rows
+
+
+class _Flush:
+    def __init__(self):
+        self.done = threading.Event()
+
+
+class TraceSink:
+    """Background Parquet writer of one rank. Thread-safe ``submit``/``close``."""
+
+    def __init__(
+        self,
+        out: str,
+        run_id: str,
+        tp_rank: int,
+        tp_size: int,
+        *,
+        config: dict | None = None,
+        checkpoint_id: str | None = None,
+        rank_source: str = "config",
+        rows_per_part: int = 65536,
+        flush_interval_s: float = 5.0,
+        queue_size: int = 1024,
+        queue_max_bytes: int = 256 << 20,
+        chunk_fps: str = "all",
+        verifier: OnlineIndex | None = None,
+        dump_max_count: int = 0,
+        dump_max_bytes: int = 256 << 20,
+        max_error_messages: int = 5,
+        control_file: str | None = None,
+        on_control: Callable[[], None] | None = None,
+    ):
+        self.fs, base = storage.open_fs(out)
+        self.run_dir = storage.join(base, run_id)
+        self.rank_dir = storage.join(self.run_dir, rank_dir_name(tp_rank))
+        try:
+            storage.make_dirs(self.fs, self.rank_dir)
+        except Exception as err:
+            raise MoetraceError(f"output {out}: cannot create {self.rank_dir} ({err})") from None
+        self.rows_per_part = int(rows_per_part)
+        self.flush_interval_s = float(flush_interval_s)
+        self.chunk_fps = chunk_fps
+        self.verifier = verifier
+        self.dump_max_count = int(dump_max_count)
+        self.dump_max_bytes = int(dump_max_bytes)
+        self.max_error_messages = int(max_error_messages)
+        self.control_file = control_file
+        self._on_control = on_control
+        self._lock = threading.Lock()
+        self._m = new_rank_manifest(run_id, tp_rank, tp_size, config or {}, checkpoint_id, rank_source)
+        self._q: queue.Queue = queue.Queue(maxsize=int(queue_size))
+        self._q_bytes = 0
+        self._q_max_bytes = int(queue_max_bytes)
+        self._batches: list[pa.RecordBatch] = []
+        self._buffered_rows = 0
+        self._next_part = 0
+        self._dump_reserved = [0, 0]  # count, bytes promised to capture threads
+        self._closing = threading.Event()
+        self._closed = threading.Event()
+        self._close_reason: str | None = None
+        self._control_seen = False
+        self._changes = 0  # bumped on every manifest change; the writer persists them on its flush period
+        self._written_changes = -1
+        try:
+            self._write_manifest()  # fails early when the output is unwritable
+        except Exception as err:
+            raise MoetraceError(f"output {out}: cannot write {self.rank_dir}/{MANIFEST_NAME} ({err})") from None
+        self._thread = threading.Thread(target=self._run, name=f"moetrace-sink-r{tp_rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ caller side
+
+    @property
+    def closed(self) -> bool:
+        return self._closing.is_set()
+
+    def submit(self, batch: CaptureBatch) -> bool:
+        """Enqueue without blocking; a full queue drops the batch (rows counted)."""
+        n, nbytes = batch.n_rows, batch.host_bytes
+        with self._lock:
+            if self._closing.is_set():  # outside the trace window: not a loss inside it
+                self._m["rows_after_close"] += n
+                return False
+            self._m["captures"] += 1
+            self._m["rows_captured"] += n
+            if self._q_bytes + nbytes > self._q_max_bytes and self._q_bytes > 0:
+                self._drop_locked(n, "queue_full")
+                return False
+            try:
+                self._q.put_nowait(batch)
+            except queue.Full:
+                self._drop_locked(n, "queue_full")
+                return False
+            self._q_bytes += nbytes
+        return True
+
+    def drop(self, rows: int, reason: str) -> None:
+        with self._lock:
+            self._drop_locked(rows, reason)
+
+    def _drop_locked(self, rows: int, reason: str) -> None:
+        if rows <= 0:
+            return
+        self._changes += 1
+        self._m["rows_dropped"] += rows
+        self._m["drops"][reason] = self._m["drops"].get(reason, 0) + rows
+
+    def record_error(self, kind: str, message: str) -> int:
+        """Count an error ("hook" or "sink"); keep the first few messages. Returns the new count."""
+        key = "hook_errors" if kind == "hook" else "sink_errors"
+        with self._lock:
+            self._changes += 1
+            self._m[key] += 1
+            if len(self._m["errors"]) < self.max_error_messages:
+                self._m["errors"].append({"kind": kind, "at": utc_now(), "message": message[:2000]})
+            return self._m[key]
+
+    def note(self, message: str) -> None:
+        with self._lock:
+            self._changes += 1
+            if message not in self._m["notes"] and len(self._m["notes"]) < 50:
+                self._m["notes"].append(message)
+
+    def update(self, **fields) -> None:
+        """Set manifest fields (e.g. ranks from the first module, disabled)."""
+        with self._lock:
+            self._changes += 1
+            self._m.update(fields)
+
+    def set_steps_seen(self, n: int) -> None:
+        with self._lock:
+            self._m["steps_seen"] = max(self._m["steps_seen"], n)
+
+    def reserve_dump(self, nbytes: int) -> bool:
+        """Capture side: may one more tensor of nbytes be dumped? (caps by count and bytes)"""
+        with self._lock:
+            count, used = self._dump_reserved
+            if count >= self.dump_max_count or used + nbytes > self.dump_max_bytes:
+                self._m["dumps"]["skipped"] += 1
+                return False
+            self._dump_reserved = [count + 1, used + nbytes]
+            return True
+
+    def manifest(self) -> dict:
+        import copy
+
+        with self._lock:
+            return copy.deepcopy(self._m)
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Write everything submitted so far as a part; True when done in time."""
+        if self._closing.is_set() or not self._thread.is_alive():
+            return self._closed.is_set()
+        req = _Flush()
+        try:
+            self._q.put(req, timeout=timeout)
+        except queue.Full:
+            return False
+        return req.done.wait(timeout)
+
+    def close(self, reason: str = "close", timeout: float | None = 30.0, wait: bool = True) -> bool:
+        """Drain, write the last part, mark the manifest finished. Idempotent."""
+        with self._lock:
+            if self._close_reason is None:
+                self._close_reason = reason
+            self._closing.set()
+        if not wait:
+            return self._closed.is_set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        if not self._closed.is_set() and not self._thread.is_alive():
+            self._finish()  # the writer died: still say what we know
+        return self._closed.is_set() and bool(self.manifest()["finished"])
+
+    # ------------------------------------------------------------ writer side
+
+    def _run(self) -> None:
+        next_flush = time.monotonic() + self.flush_interval_s
+        while True:
+            try:
+                item = self._q.get(timeout=_TICK_S)
+            except queue.Empty:
+                item = None
+            try:
+                if isinstance(item, _Flush):
+                    self._flush_part()
+                    next_flush = time.monotonic() + self.flush_interval_s
+                    item.done.set()
+                elif item is not None:
+                    with self._lock:
+                        self._q_bytes -= item.host_bytes
+                    self._consume(item)
+                now = time.monotonic()
+                if self._buffered_rows >= self.rows_per_part or (now >= next_flush and self._buffered_rows):
+                    self._flush_part()
+                    next_flush = now + self.flush_interval_s
+                elif now >= next_flush:
+                    if self._written_changes != self._changes:  # counters moved without rows
+                        self._write_manifest_safely()
+                    next_flush = now + self.flush_interval_s
+                if self.control_file and not self._control_seen and os.path.exists(self.control_file):
+                    self._control_seen = True
+                    self.note(f"control file {self.control_file} appeared: closing")
+                    with self._lock:
+                        if self._close_reason is None:
+                            self._close_reason = "control-file"
+                    if self._on_control is not None:
+                        self._on_control()
+                    self._closing.set()
+                if self._closing.is_set() and self._q.empty():
+                    self._finish()
+                    return
+            except Exception as err:  # never let the writer die silently
+                self.record_error("sink", f"writer: {type(err).__name__}: {err}")
+                log.exception("moetrace: trace writer error")
+
+    def _consume(self, b: CaptureBatch) -> None:
+        try:
+            fps = b.fps
+            if fps is None:
+                if b.ready is not None:
+                    b.ready.synchronize()
+                fps = finalize(b.lanes, b.nbytes)
+            digests = [f.digest for f in fps]
+            online = b.online
+            if online is None and self.verifier is not None:
+                online = self.verifier.verdicts(b.layer, b.experts, b.tensor, digests)
+            if online is None:
+                online = [None] * b.n_rows
+            if self.chunk_fps == "all":
+                chunks = [f.chunk_digests for f in fps]
+            elif self.chunk_fps == "mismatch":
+                chunks = [f.chunk_digests if v != "match" else None for f, v in zip(fps, online)]
+            else:
+                chunks = [None] * b.n_rows
+            n = b.n_rows
+            r = b.ranks
+            cols = {
+                "schema_version": [TRACE_SCHEMA_VERSION] * n,
+                "run_id": [self._m["run_id"]] * n,
+                "tp_size": [r.tp_size] * n,
+                "tp_rank": [r.tp_rank] * n,
+                "ep_size": [r.ep_size] * n,
+                "ep_rank": [r.ep_rank] * n,
+                "moe_tp_size": [r.moe_tp_size] * n,
+                "moe_tp_rank": [r.moe_tp_rank] * n,
+                "step": [b.step] * n,
+                "source": [b.source] * n,
+                "load_seq": [b.load_seq] * n,
+                "transport_order": b.orders,
+                "layer": [b.layer] * n,
+                "expert": b.experts,
+                "local_expert": b.local_experts,
+                "tensor": [b.tensor] * n,
+                "copy_order": [copy_order(b.tensor)] * n,
+                "dtype": [b.dtype] * n,
+                "shape": [b.shape] * n,
+                "nbytes": [b.nbytes] * n,
+                "fp": digests,
+                "chunk_fps": chunks,
+                "online": online,
+                "time_ns": [b.time_ns] * n,
+            }
+            self._batches.append(pa.RecordBatch.from_pydict(cols, schema=TRACE_SCHEMA))
+            self._buffered_rows += n
+            with self._lock:
+                for v in online:
+                    key = "unchecked" if v is None else v
+                    self._m["online"][key] += 1
+            for expert, tensor, want, got in b.dumps:
+                self._dump(b, expert, tensor, want, got)
+        except Exception as err:
+            self.drop(b.n_rows, "writer_error")
+            self.record_error("sink", f"layer {b.layer} {b.tensor}: {type(err).__name__}: {err}")
+        finally:
+            b.lanes = None
+            b.dumps = []
+
+    def _dump(self, b: CaptureBatch, expert: int, tensor: torch.Tensor, want: bytes | None, got: bytes) -> None:
+        from safetensors.torch import save
+
+        name = f"step{b.step}-L{b.layer}-E{expert}-{b.tensor}-{b.source}-seq{b.load_seq}.safetensors"
+        path = storage.join(self.rank_dir, "dumps", name)
+        meta = {
+            "run_id": self._m["run_id"], "tp_rank": str(b.ranks.tp_rank), "step": str(b.step), "layer": str(b.layer),
+            "expert": str(expert), "tensor": b.tensor, "source": b.source, "load_seq": str(b.load_seq),
+            "fp": got.hex(), "expected_fp": want.hex() if want else "",
+        }
+        try:
+            data = save({b.tensor: tensor.contiguous()}, metadata=meta)
+            storage.make_dirs(self.fs, storage.join(self.rank_dir, "dumps"))
+            storage.write_atomic(self.fs, path, data)
+        except Exception as err:
+            self.record_error("sink", f"dump {name}: {type(err).__name__}: {err}")
+            return
+        with self._lock:
+            d = self._m["dumps"]
+            d["count"] += 1
+            d["bytes"] += len(data)
+            d["files"].append(f"dumps/{name}")
+
+    def _flush_part(self) -> None:
+        if not self._batches:
+            self._write_manifest_safely()
+            return
+        batches, rows = self._batches, self._buffered_rows
+        self._batches, self._buffered_rows = [], 0
+        name = f"part-{self._next_part:05d}.parquet"
+        final = storage.join(self.rank_dir, name)
+        tmp = storage.join(self.rank_dir, f".{name}.tmp")
+        try:
+            table = pa.Table.from_batches(batches, schema=TRACE_SCHEMA)
+            with self.fs.open_output_stream(tmp) as f:
+                pq.write_table(table, f, compression="zstd")
+            self.fs.move(tmp, final)
+        except Exception as err:
+            self.drop(rows, "write_failed")
+            self.record_error("sink", f"writing {final}: {type(err).__name__}: {err}")
+            try:
+                self.fs.delete_file(tmp)
+            except Exception:
+                pass
+        else:
+            self._next_part += 1
+            with self._lock:
+                self._m["rows_written"] += rows
+                self._m["parts"].append({"file": name, "rows": rows, "written_at": utc_now()})
+        self._write_manifest_safely()
+
+    def _finish(self) -> None:
+        """Last part, then the manifest with finished: true (unless nothing could be written)."""
+        if self._closed.is_set():
+            return
+        # Batches still queued (a close racing a submit) are written too.
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Flush):
+                item.done.set()
+            elif item is not None:
+                with self._lock:
+                    self._q_bytes -= item.host_bytes
+                self._consume(item)
+        self._flush_part()
+        with self._lock:
+            self._m["finished_at"] = utc_now()
+            self._m["finished"] = True
+            self._m["close_reason"] = self._close_reason or "close"
+        try:
+            self._write_manifest()
+        except Exception as err:
+            self.record_error("sink", f"final manifest: {type(err).__name__}: {err}")
+        self._closed.set()
+
+    def _write_manifest_safely(self) -> None:
+        try:
+            self._write_manifest()
+        except Exception as err:
+            self.record_error("sink", f"manifest: {type(err).__name__}: {err}")
+
+    def _write_manifest(self) -> None:
+        with self._lock:
+            self._m["updated_at"] = utc_now()
+            self._written_changes = self._changes
+            snap = dict(self._m)
+            snap["parts"] = list(self._m["parts"])
+            snap["drops"] = dict(self._m["drops"])
+            snap["errors"] = list(self._m["errors"])
+            snap["online"] = dict(self._m["online"])
+            snap["dumps"] = {**self._m["dumps"], "files": list(self._m["dumps"]["files"])}
+            snap["notes"] = list(self._m["notes"])
+        storage.write_json(self.fs, storage.join(self.rank_dir, MANIFEST_NAME), snap)
+
+
+def read_trace(out: str, run_id: str, rank: int | None = None) -> pa.Table:
+    """All complete parts of a run (one rank or all), as one TRACE_SCHEMA table."""
+    fs, base = storage.open_fs(out)
+    run_dir = storage.join(base, run_id)
+    dirs = [storage.join(run_dir, rank_dir_name(rank))] if rank is not None else [
+        i.path for i in storage.list_dir(fs, run_dir) if i.base_name.startswith("rank=")
+    ]
+    tables = []
+    for d in sorted(dirs):
+        for info in sorted(storage.list_dir(fs, d), key=lambda i: i.base_name):
+            if info.base_name.startswith("part-") and info.base_name.endswith(".parquet"):
+                with fs.open_input_file(info.path) as f:
+                    tables.append(pq.read_table(f, schema=TRACE_SCHEMA))
+    if not tables:
+        return TRACE_SCHEMA.empty_table()
+    return pa.concat_tables(tables)
+
+
+def read_manifests(out: str, run_id: str) -> dict[int, dict]:
+    """{tp_rank: manifest} of every rank folder of a run that has one."""
+    fs, base = storage.open_fs(out)
+    run_dir = storage.join(base, run_id)
+    found: dict[int, dict] = {}
+    for info in storage.list_dir(fs, run_dir):
+        if info.base_name.startswith("rank="):
+            path = storage.join(info.path, MANIFEST_NAME)
+            if storage.exists(fs, path):
+                try:
+                    found[int(info.base_name[5:])] = storage.read_json(fs, path)
+                except (ValueError, OSError):
+                    continue
+    return dict(sorted(found.items()))
+
