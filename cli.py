@@ -287,7 +287,7 @@ def _analysis_options(f):
 
 def _run_analysis(command, trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows):
     from moetrace.analysis import render
-    from moetrace.analysis.analyze import analyze
+    from moetrace.analysis.report import analyze
 
     rep = analyze(list(trace), index=index_path, checkpoint=checkpoint, max_rows=max_rows)
     outputs = []
@@ -443,6 +443,40 @@ def serve_cmd(checkpoint, model_path, tp, fence, slow_rank, host, port, chunk_to
 
 
 # ---- selftest ------------------------------------------------------------------
+
+
+@main.command("selftest")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Device whose fingerprint path, staging transport and throughput are proven.")
+@click.option("--quick", is_flag=True, help="Smaller sizes: under 3 minutes on a CPU box, 5 on a GPU box.")
+@click.option("--only", type=click.Choice(["fingerprint", "detector", "throughput"]), multiple=True,
+              help="Run only these parts (repeatable; default all).")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Keep the synthetic checkpoint, traces and reports here (default: a temp dir, removed).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def selftest_cmd(device, quick, only, workdir, as_json):
+    """Prove on this machine that moetrace would catch the FP8 staging race.
+
+    Exit 0: every proof holds. 1: a proof failed (named). 2: could not run
+    (no CUDA, ...).
+
+    \b
+    Example:
+      moetrace selftest --device cuda --json > selftest.json
+    """
+    import json
+
+    from moetrace import selftest as st
+
+    code, proofs = st.run_selftest(device, quick, workdir, tuple(only) or ("fingerprint", "detector", "throughput"))
+    if as_json:
+        click.echo(json.dumps(st.as_json(code, proofs, device), indent=2))
+    else:
+        for p in proofs:
+            mark = {True: "PASS", False: "FAIL", None: "SKIP"}[p.ok]
+            click.echo(f"[{mark}] {p.name:12s} {p.detail} ({p.seconds:.1f} s)")
+        click.echo(st.verdict_line(code, proofs, device))
+    sys.exit(code)
 
 if __name__ == "__main__":
     main()

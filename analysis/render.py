@@ -1,0 +1,204 @@
+"""Report renderers: terminal text, Markdown, JUnit XML, JSON."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pandas as pd
+
+from moetrace.analysis.report import Report, fmt_int
+from moetrace.analysis.inputs import SOURCES
+
+STATUS_WORD = {"match": "ALL MATCH", "divergent": "DIVERGENT", "incomplete": "INCOMPLETE"}
+
+
+def to_json(rep: Report) -> str:
+    return json.dumps(rep.doc, indent=1, sort_keys=False)
+
+
+def _head(doc: dict) -> list[str]:
+    lines = []
+    for r in doc["runs"]:
+        lines.append(
+            f"run {r['run_id']}: TP{r['tp_size']} EP{r['ep_size']}, checkpoint {r['checkpoint_id']}, "
+            f"ranks {','.join(map(str, r['ranks_present'])) or 'none'}"
+            + (f" (missing {','.join(map(str, r['ranks_missing']))})" if r["ranks_missing"] else "")
+            + f", {fmt_int(r['rows'])} rows"
+        )
+    i = doc["inputs"]
+    lines.append(f"index: {i['index']} ({fmt_int(i['index_entries'])} entries, checkpoint {i['checkpoint_id']})")
+    return lines
+
+
+def _coverage_line(doc: dict) -> str:
+    t = doc["totals"]
+    mans = [m for r in doc["runs"] for m in r["manifests"]]
+    written = sum(m["rows_written"] for m in mans)
+    dropped = sum(m["rows_dropped"] for m in mans)
+    unfinished = sum(not m["finished"] for m in mans)
+    return (
+        f"coverage: {fmt_int(t['loads'])} loads, {fmt_int(t['tensors'])} expected tensors, "
+        f"{fmt_int(t['missing'])} missing; manifests: {fmt_int(written)} rows written, {fmt_int(dropped)} dropped, "
+        + ("all finished" if not unfinished else f"{unfinished} not finished")
+    )
+
+
+def to_text(rep: Report, max_lines: int = 20, command: str = "analyze") -> str:
+    doc = rep.doc
+    out = [f"moetrace {command}: {STATUS_WORD[doc['status']]}"]
+    out += ["  " + x for x in _head(doc)]
+    out.append(doc["totals"]["sentence"])
+    for f in doc["first_divergence"]:
+        out.append(f"first divergence: {f['sentence']}")
+    if doc["summaries"]:
+        out.append("summary (per load and tensor kind):")
+        for s in doc["summaries"][:max_lines]:
+            out.append("  " + s["sentence"])
+        if len(doc["summaries"]) > max_lines:
+            out.append(f"  … and {len(doc['summaries']) - max_lines} more (see --json / --markdown)")
+    if doc["missing_loads"]:
+        out.append("loads not captured on every rank:")
+        for m in doc["missing_loads"][:max_lines]:
+            out.append(f"  rank {m['tp_rank']}, layer {m['layer']}, step {m['step']} ({m['source']}): "
+                       f"{fmt_int(m['expected'])} entries missing")
+        if len(doc["missing_loads"]) > max_lines:
+            out.append(f"  … and {len(doc['missing_loads']) - max_lines} more")
+    out.append(_coverage_line(doc))
+    if doc["incomplete"]:
+        out.append("incomplete:")
+        out += ["  " + x for x in doc["incomplete"]]
+    if doc["warnings"]:
+        out.append("warnings:")
+        out += ["  " + x for x in doc["warnings"][:max_lines]]
+    return "\n".join(out)
+
+
+def _md_escape(s: str) -> str:
+    return str(s).replace("|", "\\|")
+
+
+def to_markdown(rep: Report) -> str:
+    doc = rep.doc
+    t = doc["totals"]
+    out = [f"# moetrace analysis: {STATUS_WORD[doc['status']]}", ""]
+    out += [f"- {x}" for x in _head(doc)]
+    out += ["", f"**{t['sentence']}**", ""]
+    if doc["first_divergence"]:
+        out += ["## First divergence", ""]
+        out += [f"- {f['sentence']}" for f in doc["first_divergence"]]
+        out.append("")
+    out += ["## Verdicts", "", "| verdict | count |", "|---|---:|"]
+    out += [f"| {k} | {fmt_int(v)} |" for k, v in t["by_verdict"].items() if v]
+    out.append("")
+    if doc["summaries"]:
+        out += ["## Summary per load and tensor kind", "", "| run | step | layer | rank | source | tensor | finding |",
+                "|---|---:|---:|---:|---|---|---|"]
+        for s in doc["summaries"]:
+            finding = s["sentence"].split(": ", 1)[-1]
+            out.append(f"| {_md_escape(s['run_id'])} | {s['step']} | {s['layer']} | {s['tp_rank']} | {s['source']} | "
+                       f"{s['tensor']} | {_md_escape(finding)} |")
+        out.append("")
+    out += ["## Coverage", "", _coverage_line(doc), ""]
+    out += ["| run | rank | finished | rows written | rows read | dropped | hook errors | parts |",
+            "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in doc["runs"]:
+        for m in r["manifests"]:
+            out.append(f"| {_md_escape(r['run_id'])} | {m['tp_rank']} | {'yes' if m['finished'] else '**no**'} | "
+                       f"{fmt_int(m['rows_written'])} | {fmt_int(m['rows_read'])} | {fmt_int(m['rows_dropped'])} | "
+                       f"{fmt_int(m['hook_errors'])} | {m['parts']} |")
+        for rk in r["ranks_missing"]:
+            out.append(f"| {_md_escape(r['run_id'])} | {rk} | **missing** | | | | | |")
+    out.append("")
+    if doc["incomplete"]:
+        out += ["## Incomplete", ""] + [f"- {_md_escape(x)}" for x in doc["incomplete"]] + [""]
+    if doc["warnings"]:
+        out += ["## Warnings", ""] + [f"- {_md_escape(x)}" for x in doc["warnings"]] + [""]
+    if doc["divergent_rows"]:
+        out += ["## Divergent entries", ""]
+        out += [f"- {_md_escape(r['sentence'])}" for r in doc["divergent_rows"]]
+        if doc["divergent_rows_truncated"]:
+            out.append(f"- … and {fmt_int(doc['divergent_rows_truncated'])} more")
+        out.append("")
+    return "\n".join(out)
+
+
+def to_junit(rep: Report) -> str:
+    """One <testsuite> per run, one <testcase> per (rank, layer, source) plus a completeness case.
+
+    A divergent case carries <failure message="first divergent entry's sentence">
+    with the case's summary lines as text; missing entries are an <error>.
+    """
+    a = rep.analysis
+    doc = rep.doc
+    d, c, L = a.data, a.data.cols, a.loads
+    drows = a.order_rows(a.divergent_rows())
+    first_by_case: dict[tuple, int] = {}
+    count_by_case: dict[tuple, int] = {}
+    if len(drows):
+        key = pd.DataFrame({"run": c["run"][drows], "rank": c["rank"][drows], "layer": c["layer"][drows],
+                            "source": c["source"][drows]})
+        key["row"] = drows
+        grp = key.groupby(["run", "rank", "layer", "source"], sort=False)
+        for k, n in grp.size().items():
+            count_by_case[tuple(int(x) for x in k)] = int(n)
+        for k, r in grp["row"].first().items():
+            first_by_case[tuple(int(x) for x in k)] = int(r)
+    summ: dict[tuple, list[str]] = {}
+    for s in doc["summaries"]:
+        k = (d.run_ids.code(s["run_id"]), s["tp_rank"], s["layer"], SOURCES.index(s["source"]))
+        summ.setdefault(k, []).append(s["sentence"])
+    root = ET.Element("testsuites", name="moetrace")
+    totals = {"tests": 0, "failures": 0, "errors": 0}
+    for run in d.runs:
+        rc = d.run_ids.code(run.run_id)
+        suite = ET.SubElement(root, "testsuite", name=f"moetrace.{run.run_id}")
+        counts = {"tests": 0, "failures": 0, "errors": 0}
+        cases: dict[tuple, dict] = {}
+        Lr = L[L["run"] == rc] if len(L) else L
+        for r in Lr.itertuples(index=False):
+            k = (rc, int(r.rank), int(r.layer), int(r.source))
+            cc = cases.setdefault(k, {"rows": 0, "expected": 0, "missing": 0, "loads": 0})
+            cc["rows"] += int(r.rows)
+            cc["expected"] += int(r.expected)
+            cc["missing"] += int(r.missing)
+            cc["loads"] += 1
+        ml = a.missing_loads
+        for r in ml[ml["run"] == rc].itertuples(index=False) if len(ml) else []:
+            k = (rc, int(r.rank), int(r.layer), int(r.source))
+            cc = cases.setdefault(k, {"rows": 0, "expected": 0, "missing": 0, "loads": 0})
+            cc["expected"] += int(r.expected)
+            cc["missing"] += int(r.expected)
+            cc["missing_loads"] = cc.get("missing_loads", 0) + 1
+        for k in sorted(cases, key=lambda k: (k[1], k[2], k[3])):
+            cc = cases[k]
+            _, rank, layer, source = k
+            tc = ET.SubElement(suite, "testcase", classname=f"moetrace.{run.run_id}.rank{rank}",
+                               name=f"layer{layer}.{SOURCES[source]}")
+            counts["tests"] += 1
+            if k in first_by_case:
+                row = a.row_doc(first_by_case[k])
+                f = ET.SubElement(tc, "failure", message=row["sentence"], type=row["verdict"])
+                f.text = "\n".join([f"{count_by_case[k]} divergent entries over {cc['loads']} load(s)"] + summ.get(k, []))
+                counts["failures"] += 1
+            elif cc["missing"]:
+                msg = f"{fmt_int(cc['missing'])} of {fmt_int(cc['expected'])} expected entries not captured"
+                if cc.get("missing_loads"):
+                    msg += f" ({cc['missing_loads']} load(s) absent on this rank)"
+                e = ET.SubElement(tc, "error", message=msg, type="missing")
+                e.text = "\n".join(summ.get(k, []))
+                counts["errors"] += 1
+        tc = ET.SubElement(suite, "testcase", classname=f"moetrace.{run.run_id}", name="completeness")
+        counts["tests"] += 1
+        probs = [x for x in doc["incomplete"] if run.run_id in x or not any(rr.run_id in x for rr in d.runs)]
+        if probs:
+            e = ET.SubElement(tc, "error", message=probs[0], type="incomplete")
+            e.text = "\n".join(probs)
+            counts["errors"] += 1
+        for kk, vv in counts.items():
+            suite.set(kk, str(vv))
+            totals[kk] += vv
+    for kk, vv in totals.items():
+        root.set(kk, str(vv))
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

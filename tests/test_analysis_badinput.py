@@ -1,0 +1,161 @@
+"""analysis on bad input: one-line errors with exit code 2, or a skipped part that is
+named and counted (and fails an audit)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from moetrace.analysis.report import analyze
+from moetrace.analysis.synth import SynthModel, rows_table, write_scenario
+from moetrace.cli import main
+from moetrace.errors import MoetraceError
+
+
+@pytest.fixture(scope="module")
+def model():
+    # the self-contained generator: these tests are about input handling, not shards
+    return SynthModel(tp_size=2, num_layers=2, num_experts=4, hidden=256, intermediate=512)
+
+
+@pytest.fixture(scope="module")
+def index(model, tmp_path_factory):
+    return model.write_index(str(tmp_path_factory.mktemp("ix") / "index.parquet"))
+
+
+@pytest.fixture
+def run(model, tmp_path):
+    write_scenario(model, str(tmp_path), "r", [0, 1], None, parts=2)
+    return tmp_path / "r"
+
+
+def cli(*args):
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    if r.exception and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return r
+
+
+def one_line_error(r, *words):
+    assert r.exit_code == 2, r.output
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moetrace: error: "), r.output
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def test_truncated_part_is_skipped_named_and_fails_audit(run, index):
+    part = run / "rank=1" / "part-00001.parquet"
+    data = part.read_bytes()
+    part.write_bytes(data[: len(data) // 2])
+    rep = analyze([str(run)], index=index)
+    assert [p["path"] for p in rep.doc["skipped_parts"]] == [str(part)]
+    assert any(str(part) in w for w in rep.doc["warnings"])
+    assert "1 unreadable Parquet part(s) skipped" in rep.doc["incomplete"]
+    r = cli("analyze", run, "--index", index)
+    assert r.exit_code == 0 and "skipped unreadable part" in r.output and "part-00001.parquet" in r.output
+    assert cli("audit", run, "--index", index).exit_code == 2
+
+
+def test_garbage_part_is_skipped(run, index):
+    (run / "rank=0" / "part-00000.parquet").write_bytes(b"not parquet at all" * 100)
+    rep = analyze([str(run)], index=index)
+    assert len(rep.doc["skipped_parts"]) == 1 and rep.exit_code == 2
+
+
+def test_missing_manifest(run, index):
+    os.remove(run / "rank=1" / "manifest.json")
+    one_line_error(cli("analyze", run, "--index", index), "rank=1", "no manifest.json")
+    one_line_error(cli("audit", run, "--index", index), "no manifest.json")
+
+
+def test_garbled_manifest(run, index):
+    (run / "rank=0" / "manifest.json").write_text("{not json")
+    one_line_error(cli("analyze", run, "--index", index), "manifest", "unreadable")
+
+
+def test_mixed_schema_versions(run, index, model):
+    t = pq.read_table(run / "rank=1" / "part-00001.parquet")
+    t = t.set_column(0, "schema_version", pa.array([2] * t.num_rows, pa.int16()))
+    pq.write_table(t, run / "rank=1" / "part-00001.parquet")
+    line = one_line_error(cli("analyze", run, "--index", index), "mixes schema versions", "v1", "v2")
+    assert "part-00001.parquet" in line
+
+
+def test_newer_schema_version_only(run, index):
+    for rk in ("rank=0", "rank=1"):
+        for p in (run / rk).glob("part-*.parquet"):
+            t = pq.read_table(p)
+            pq.write_table(t.set_column(0, "schema_version", pa.array([2] * t.num_rows, pa.int16())), p)
+    one_line_error(cli("analyze", run, "--index", index), "schema_version 2", "reads version 1")
+
+
+def test_index_for_another_tp_size(run, model, tmp_path):
+    other = model.write_index(str(tmp_path / "tp4.parquet"), tp_size=4)
+    one_line_error(cli("analyze", run, "--index", other), "TP2", "TP4")
+    one_line_error(cli("audit", run, "--index", other), "TP2", "TP4")
+
+
+def test_index_for_another_checkpoint(run, model, tmp_path):
+    other = model.write_index(str(tmp_path / "other.parquet"), checkpoint_id="someone-else")
+    one_line_error(cli("analyze", run, "--index", other), "traced checkpoint", "someone-else")
+
+
+def test_empty_trace(model, index, tmp_path):
+    write_scenario(model, str(tmp_path), "empty", [], None)  # manifests, no parts
+    one_line_error(cli("analyze", tmp_path / "empty", "--index", index), "holds no rows", "nothing was captured")
+    one_line_error(cli("audit", tmp_path / "empty", "--index", index), "nothing was captured")
+
+
+def test_no_trace_at_all(tmp_path, index):
+    (tmp_path / "nothing").mkdir()
+    one_line_error(cli("analyze", tmp_path / "nothing", "--index", index), "no trace found")
+    one_line_error(cli("analyze", tmp_path / "absent", "--index", index), "does not exist")
+
+
+def test_only_unreadable_parts(run, index):
+    for rk in ("rank=0", "rank=1"):
+        for p in (run / rk).glob("part-*.parquet"):
+            p.write_bytes(b"PAR1broken")
+    one_line_error(cli("analyze", run, "--index", index), "holds no rows", "unreadable part")
+
+
+def test_bad_index_files(run, tmp_path):
+    one_line_error(cli("analyze", run, "--index", tmp_path / "nope.parquet"), "does not exist")
+    (tmp_path / "junk.parquet").write_bytes(b"junk")
+    one_line_error(cli("analyze", run, "--index", tmp_path / "junk.parquet"), "unreadable")
+    pq.write_table(pa.table({"a": [1]}), tmp_path / "alien.parquet")
+    one_line_error(cli("analyze", run, "--index", tmp_path / "alien.parquet"), "not a moetrace index")
+
+
+def test_index_or_checkpoint_required(run, index):
+    one_line_error(cli("analyze", run), "--index")
+    one_line_error(cli("analyze", run, "--index", index, "--checkpoint", "x"), "not both")
+
+
+def test_rows_disagreeing_with_manifest(run, index):
+    m = json.loads((run / "rank=0" / "manifest.json").read_text())
+    m["tp_size"] = 4
+    (run / "rank=0" / "manifest.json").write_text(json.dumps(m))
+    one_line_error(cli("analyze", run, "--index", index), "mixes tp_size")
+
+
+def test_part_from_another_layout(run, index, model):
+    rows = pq.read_table(run / "rank=0" / "part-00000.parquet").to_pylist()
+    for x in rows:
+        x["tp_size"] = 4
+    pq.write_table(rows_table(rows), run / "rank=0" / "part-00000.parquet")
+    one_line_error(cli("analyze", run, "--index", index), "part-00000.parquet has tp_size [4]", "manifest says 2")
+
+
+def test_errors_are_moetrace_errors(run, index):
+    os.remove(run / "rank=0" / "manifest.json")
+    with pytest.raises(MoetraceError) as ei:
+        analyze([str(run)], index=index)
+    assert ei.value.exit_code == 2 and "\n" not in str(ei.value)
