@@ -240,7 +240,7 @@ def launch_cmd(sglang_version, keep_cuda_graph, close_timeout, server_cmd, **kw)
 
     Appends the moetrace --forward-hooks entry and the CUDA-graph flags for the
     SGLang version, forwards SIGINT/SIGTERM (after asking every rank to close its
-    trace) and writes OUT/<run_id>/run.json. Exits with the server's exit code.
+    trace) and writes OUT/<run_id>/_run.json. Exits with the server's exit code.
 
     \b
     Example:

@@ -1,7 +1,7 @@
 """Read traces and indexes for the analysis: discovery, validation, columnar load.
 
 A trace is ``OUT/<run_id>/rank=<r>/part-NNNNN.parquet`` plus
-``OUT/<run_id>/rank=<r>/manifest.json`` (and optionally ``OUT/<run_id>/run.json``).
+``OUT/<run_id>/rank=<r>/_manifest.json`` (and optionally ``OUT/<run_id>/_run.json``).
 Callers pass one run folder, an ``OUT`` folder holding several runs, a rank
 folder, a glob, or a URL on any pyarrow filesystem (``s3://…``, ``file://…``).
 
@@ -269,7 +269,7 @@ def discover(paths: Sequence[str]) -> list[RankDir]:
             if info.type == pafs.FileType.NotFound:
                 raise MoetraceError(f"trace path {display} does not exist")
             if info.type == pafs.FileType.File:
-                if p.endswith(".parquet") or p.endswith("manifest.json"):
+                if p.endswith(".parquet") or p.endswith("_manifest.json"):
                     p = p.rsplit("/", 1)[0]
                 else:
                     raise MoetraceError(f"{display} is a file; pass a trace folder OUT/<run_id>")
@@ -295,7 +295,7 @@ def discover(paths: Sequence[str]) -> list[RankDir]:
                     path=rd,
                     rank=int(RANK_DIR.match(rd.rsplit("/", 1)[-1]).group(1)),
                     parts=[f"{rd}/{n}" for n in parts],
-                    manifest_path=f"{rd}/manifest.json" if "manifest.json" in names else None,
+                    manifest_path=f"{rd}/_manifest.json" if "_manifest.json" in names else None,
                     display=rd,
                 )
     if not found:
@@ -325,13 +325,13 @@ def load_runs(rank_dirs: Sequence[RankDir]) -> list[RunInfo]:
     for run_path, rds in by_run.items():
         fs = rds[0].fs
         run_json = None
-        if fs.get_file_info(f"{run_path}/run.json").type == pafs.FileType.File:
-            run_json = _read_json(fs, f"{run_path}/run.json", "run file")
+        if fs.get_file_info(f"{run_path}/_run.json").type == pafs.FileType.File:
+            run_json = _read_json(fs, f"{run_path}/_run.json", "run file")
         ranks: dict[int, RankInfo] = {}
         for rd in rds:
             if rd.manifest_path is None:
                 raise MoetraceError(
-                    f"{rd.display} has no manifest.json: the tracer never started there or the folder is incomplete"
+                    f"{rd.display} has no _manifest.json: the tracer never started there or the folder is incomplete"
                 )
             m = _read_json(fs, rd.manifest_path, "manifest")
             ver = m.get("schema_version")

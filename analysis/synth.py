@@ -11,7 +11,7 @@ Two generators:
   Used by ``bench/bench_analyze.py``.
 
 Trace layout written: ``OUT/<run_id>/rank=<r>/part-NNNNN.parquet``,
-``OUT/<run_id>/rank=<r>/manifest.json`` and ``OUT/<run_id>/run.json``.
+``OUT/<run_id>/rank=<r>/_manifest.json`` and ``OUT/<run_id>/_run.json``.
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ def write_rank(out: str, run_id: str, rank: int, rows: list[dict], tp_size: int,
             "hook_errors": 0, "parts": names,
         }
         m.update(manifest or {})
-        with open(os.path.join(d, "manifest.json"), "w") as f:
+        with open(os.path.join(d, "_manifest.json"), "w") as f:
             json.dump(m, f, indent=1)
     return d
 
@@ -301,7 +301,7 @@ def write_rank(out: str, run_id: str, rank: int, rows: list[dict], tp_size: int,
 def write_run_json(out: str, run_id: str, tp_size: int, checkpoint_id: str, ranks: list[int] | None = None,
                    ep_size: int = 1) -> None:
     os.makedirs(os.path.join(out, run_id), exist_ok=True)
-    with open(os.path.join(out, run_id, "run.json"), "w") as f:
+    with open(os.path.join(out, run_id, "_run.json"), "w") as f:
         json.dump({"run_id": run_id, "checkpoint_id": checkpoint_id, "tp_size": tp_size, "ep_size": ep_size,
                    "ranks": ranks if ranks is not None else list(range(tp_size))}, f)
 
@@ -449,7 +449,7 @@ def write_bench(out: str, rows: int, run_id: str = "bench", seed: int = 0, rows_
             part += 1
             done += m
         written += rank_rows
-        with open(os.path.join(rank_dir, "manifest.json"), "w") as f:
+        with open(os.path.join(rank_dir, "_manifest.json"), "w") as f:
             json.dump({"schema_version": MANIFEST_SCHEMA_VERSION, "run_id": run_id, "tp_size": tp, "tp_rank": r,
                        "ep_size": 1, "ep_rank": 0, "checkpoint_id": ix["checkpoint_id"], "started_at": "", "finished_at": "",
                        "finished": True, "rows_written": int(rank_rows), "rows_dropped": 0, "hook_errors": 0,

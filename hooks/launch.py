@@ -8,7 +8,7 @@ manifests to say ``finished`` (bounded), then forwards the signal. SGLang's
 shutdown SIGKILLs its workers, so without this step no rank could finish its
 manifest. A second signal kills the server's process group.
 
-``OUT/<run_id>/run.json`` records the command, versions, start/end, the
+``OUT/<run_id>/_run.json`` records the command, versions, start/end, the
 server's exit code and a per-rank summary; ``complete`` is true only when
 every expected rank closed cleanly with nothing dropped and no hook errors.
 """

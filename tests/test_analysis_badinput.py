@@ -70,13 +70,13 @@ def test_garbage_part_is_skipped(run, index):
 
 
 def test_missing_manifest(run, index):
-    os.remove(run / "rank=1" / "manifest.json")
-    one_line_error(cli("analyze", run, "--index", index), "rank=1", "no manifest.json")
-    one_line_error(cli("audit", run, "--index", index), "no manifest.json")
+    os.remove(run / "rank=1" / "_manifest.json")
+    one_line_error(cli("analyze", run, "--index", index), "rank=1", "no _manifest.json")
+    one_line_error(cli("audit", run, "--index", index), "no _manifest.json")
 
 
 def test_garbled_manifest(run, index):
-    (run / "rank=0" / "manifest.json").write_text("{not json")
+    (run / "rank=0" / "_manifest.json").write_text("{not json")
     one_line_error(cli("analyze", run, "--index", index), "manifest", "unreadable")
 
 
@@ -140,9 +140,9 @@ def test_index_or_checkpoint_required(run, index):
 
 
 def test_rows_disagreeing_with_manifest(run, index):
-    m = json.loads((run / "rank=0" / "manifest.json").read_text())
+    m = json.loads((run / "rank=0" / "_manifest.json").read_text())
     m["tp_size"] = 4
-    (run / "rank=0" / "manifest.json").write_text(json.dumps(m))
+    (run / "rank=0" / "_manifest.json").write_text(json.dumps(m))
     one_line_error(cli("analyze", run, "--index", index), "mixes tp_size")
 
 
@@ -155,7 +155,7 @@ def test_part_from_another_layout(run, index, model):
 
 
 def test_errors_are_moetrace_errors(run, index):
-    os.remove(run / "rank=0" / "manifest.json")
+    os.remove(run / "rank=0" / "_manifest.json")
     with pytest.raises(MoetraceError) as ei:
         analyze([str(run)], index=index)
     assert ei.value.exit_code == 2 and "\n" not in str(ei.value)

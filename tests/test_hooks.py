@@ -476,7 +476,7 @@ def test_launch_runs_server_and_finishes_the_trace(make_ckpt, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
-    run = json.loads((out / "L" / "run.json").read_text())
+    run = json.loads((out / "L" / "_run.json").read_text())
     assert run["finished"] and run["complete"] and run["ranks_closed_before_stop"] is True
     assert run["stop_signal"] == "SIGTERM" and run["server_exit_code"] == 0 and run["expected_ranks"] == 2
     assert run["cuda_graph_flags"] == list(SPLIT_CUDA_GRAPH_FLAGS) and run["tp_size"] == 2

@@ -42,7 +42,7 @@ def _tracer(out, run_id="r1", **kw) -> Tracer:
 
 
 def _manifest(out, run_id="r1", rank=0) -> dict:
-    return json.loads((Path(out) / run_id / f"rank={rank}" / "manifest.json").read_text())
+    return json.loads((Path(out) / run_id / f"rank={rank}" / "_manifest.json").read_text())
 
 
 def test_roundtrip_parts_schema_and_manifest(tmp_path):
@@ -56,9 +56,14 @@ def test_roundtrip_parts_schema_and_manifest(tmp_path):
     t = read_trace(str(tmp_path), "r1")
     assert t.schema.equals(TRACE_SCHEMA)
     assert t.num_rows == 3 * 2 * 2 * E
-    # Also readable as a plain dataset (temp names are dot files; manifest.json is not Parquet).
-    dataset = ds.dataset(tmp_path / "r1", format="parquet", partitioning="hive", exclude_invalid_files=True)
+    # The run folder is a plain Parquet dataset for pyarrow and pandas as is:
+    # temp parts are dot files and the manifests start with "_", which they skip.
+    dataset = ds.dataset(tmp_path / "r1", format="parquet", partitioning="hive")
     assert dataset.to_table().num_rows == t.num_rows
+    import pandas as pd
+
+    frame = pd.read_parquet(tmp_path / "r1")
+    assert len(frame) == t.num_rows and set(frame["tp_rank"].astype(int)) == {1}
     want = {(e + 8): f.digest for e, f in enumerate(fingerprint_rows(ts["w2_weight"]))}
     rows = t.filter(ds.field("tensor") == "w2_weight").to_pylist()
     assert all(r["fp"] == want[r["expert"]] for r in rows)
@@ -175,7 +180,7 @@ def test_killed_process_leaves_readable_parts(tmp_path):
     parts = sorted(rank_dir.glob("part-*.parquet"))
     assert len(parts) >= 5
     rows = sum(pq.read_table(p).num_rows for p in parts)  # every visible part is complete
-    m = json.loads((rank_dir / "manifest.json").read_text())
+    m = json.loads((rank_dir / "_manifest.json").read_text())
     assert m["finished"] is False and m["finished_at"] is None
     assert rows >= m["rows_written"] >= 40
     assert ds.dataset(rank_dir, format="parquet", exclude_invalid_files=True).to_table().num_rows == rows

@@ -1,9 +1,9 @@
 """Per-rank and per-run manifests: JSON beside the Parquet parts.
 
-``OUT/<run_id>/rank=<r>/manifest.json`` is owned by that rank's writer and
+``OUT/<run_id>/rank=<r>/_manifest.json`` is owned by that rank's writer and
 rewritten atomically after every part and at close; ``finished`` turns true
 only on a clean close, so a killed rank leaves ``finished: false`` and an
-audit can refuse the trace. ``OUT/<run_id>/run.json`` is written by
+audit can refuse the trace. ``OUT/<run_id>/_run.json`` is written by
 ``moetrace launch``. docs/capture.md lists every field.
 """
 
@@ -19,8 +19,8 @@ from moetrace import __version__
 from moetrace.tracer.fingerprint import CHUNK_BYTES, FP_VERSION
 from moetrace.tracer.schema import MANIFEST_SCHEMA_VERSION, TRACE_SCHEMA_VERSION
 
-MANIFEST_NAME = "manifest.json"
-RUN_MANIFEST_NAME = "run.json"
+MANIFEST_NAME = "_manifest.json"
+RUN_MANIFEST_NAME = "_run.json"
 
 
 def utc_now() -> str:

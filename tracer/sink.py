@@ -6,7 +6,7 @@ thread folds lanes into fingerprints (``fingerprint.finalize``), checks them
 against the index when online verification is on, and writes
 
     OUT/<run_id>/rank=<r>/part-NNNNN.parquet   (TRACE_SCHEMA, one row per tensor)
-    OUT/<run_id>/rank=<r>/manifest.json        (rewritten after every part)
+    OUT/<run_id>/rank=<r>/_manifest.json        (rewritten after every part)
     OUT/<run_id>/rank=<r>/dumps/*.safetensors  (mismatching tensors, capped)
 
 Parts and manifests are written under a temporary dot-name and moved into
