@@ -1,0 +1,169 @@
+"""Rank 0's native writer: a stand-in for kt-kernel's ``write_weight_scale_to_buffer``.
+
+In the fork, CPU experts live in kt-kernel on rank 0, and one native call
+writes expert e's TP shard for EVERY rank into that rank's host slot, through
+raw pointers (``submit_write_weight_scale_to_buffer(tp_size, expert_id, w13_ptrs,
+w13_scale_ptrs, w2_ptrs, w2_scale_ptrs)``, one pointer per rank), asynchronously;
+``sync_write_weight_scale_to_buffer()`` waits for it. Here one worker thread
+(``NativeWriter``) does the ``memmove``s; ``KTWrapperStandIn`` is the per-layer
+wrapper object with the fork's method names. kt-kernel keeps whole experts and
+splits them per rank while writing; the stand-in keeps the per-rank shards
+ready-made (the bytes written are the same).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from moetrace.emulator.config import WEIGHT_NAMES_FP8
+from moetrace.emulator.copy_engine import StagingTimeout
+
+
+class NativeWriter:
+    """A single background writer thread with submit/sync, shared by every layer's wrapper."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="native-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._error is not None:
+            raise StagingTimeout(f"rank 0: native writer failed: {self._error}")
+        with self._cv:
+            self._pending += 1
+        self._q.put(job)
+
+    def sync(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        with self._cv:
+            while self._pending:
+                if self._error is not None:
+                    raise StagingTimeout(f"rank 0: native writer failed: {self._error}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StagingTimeout(f"rank 0: native write not finished after {self.timeout_s:g} s")
+                self._cv.wait(min(left, 0.05))
+            if self._error is not None:
+                raise StagingTimeout(f"rank 0: native writer failed: {self._error}")
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                if self._error is None:
+                    job()
+            except BaseException as err:
+                with self._cv:
+                    self._error = err
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+
+class SlotIndex:
+    """Turns a destination pointer back into (rank, slot): the writer's bookkeeping
+    for the injection's generation counters (kt-kernel only sees pointers)."""
+
+    def __init__(self, base_ptrs: dict[str, list[int]], expert_nbytes: dict[str, int]):
+        self.base = base_ptrs
+        self.nbytes = expert_nbytes
+
+    def slot_of(self, name: str, rank: int, ptr: int) -> int:
+        off = ptr - self.base[name][rank]
+        slot, rem = divmod(off, self.nbytes[name])
+        if rem or slot not in (0, 1):
+            raise ValueError(f"pointer {ptr:#x} is not a slot of {name} on rank {rank}")
+        return slot
+
+
+class WriteGate:
+    """Injection only: before rank r's slot s is refilled, the copies that the
+    injection models as on time (all but the held one) of the slot's current
+    content, and the held copy of its previous content, must have completed on
+    rank r. This removes every timing race except the one injected, so the
+    outcome is the same on every run. The reader fence (fence="all") makes this
+    wait a no-op; fence="none" is where it orders things."""
+
+    POLL_S = 0.0002
+
+    def __init__(self, control, slow_rank: int, timeout_s: float):
+        self.control = control
+        self.slow_rank = slow_rank
+        self.timeout_s = timeout_s
+
+    def wait_writable(self, rank: int, slot: int) -> None:
+        c = self.control
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            g = int(c.gen[rank, slot])
+            ok = int(c.ontime[rank, slot]) >= g
+            if rank == self.slow_rank:
+                ok = ok and int(c.delayed[rank, slot]) >= g - 1
+            if ok:
+                return
+            if time.monotonic() > deadline:
+                raise StagingTimeout(
+                    f"rank 0 writer: rank {rank} slot {slot} (generation {g}) still being read after "
+                    f"{self.timeout_s:g} s (on-time reads done through {int(c.ontime[rank, slot])}, "
+                    f"held read through {int(c.delayed[rank, slot])})"
+                )
+            time.sleep(self.POLL_S)
+
+
+class KTWrapperStandIn:
+    """Per-layer CPU-expert holder on rank 0 with the fork's write API."""
+
+    def __init__(self, layer_idx: int, writer: NativeWriter, shards: list[dict[str, torch.Tensor]],
+                 index: SlotIndex, control=None, gate: WriteGate | None = None):
+        self.layer_idx = layer_idx
+        self.writer = writer
+        self.shards = shards  # per rank: name -> [E, ...] contiguous CPU tensor
+        self.index = index
+        self.control = control
+        self.gate = gate
+
+    def _src_ptr(self, rank: int, name: str, expert_id: int) -> tuple[int, int]:
+        t = self.shards[rank][name]
+        nbytes = t[0].numel() * t.element_size()
+        return t.data_ptr() + expert_id * nbytes, nbytes
+
+    def submit_write_weight_scale_to_buffer(self, tp_size: int, expert_id: int, w13_weight_ptrs, w13_scale_ptrs,
+                                            w2_weight_ptrs, w2_scale_ptrs) -> None:
+        ptrs = dict(zip(WEIGHT_NAMES_FP8, (w13_weight_ptrs, w13_scale_ptrs, w2_weight_ptrs, w2_scale_ptrs)))
+        ptrs = {k: [int(p) for p in v] for k, v in ptrs.items()}
+        if any(len(v) != tp_size for v in ptrs.values()):
+            raise ValueError(f"layer {self.layer_idx}: need {tp_size} pointers per tensor")
+
+        def job() -> None:
+            for rank in range(tp_size):
+                slot = self.index.slot_of(WEIGHT_NAMES_FP8[0], rank, ptrs[WEIGHT_NAMES_FP8[0]][rank])
+                if self.gate is not None:
+                    self.gate.wait_writable(rank, slot)
+                for name in WEIGHT_NAMES_FP8:
+                    src, nbytes = self._src_ptr(rank, name, expert_id)
+                    ctypes.memmove(ptrs[name][rank], src, nbytes)
+                if self.control is not None:
+                    self.control.gen[rank, slot] += 1  # single writer: plain increment is safe
+
+        self.writer.submit(job)
+
+    def sync_write_weight_scale_to_buffer(self) -> None:
+        self.writer.sync()
