@@ -382,6 +382,41 @@ def diff_cmd(run_a, run_b, index_path, checkpoint, as_json, max_lines):
 
 
 # ---- emulator: demo, serve ---------------------------------------------------
+@main.command("demo")
+@click.option("--workdir", type=click.Path(file_okay=False), default="demo-out", show_default=True,
+              help="Where the checkpoint, index, traces, reports and plots go.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Run the emulated server's copies on this device.")
+@click.option("--quick", is_flag=True, help="Smaller checkpoint (8 experts, H 256).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary instead of text.")
+def demo_cmd(workdir, device, quick, as_json):
+    """Find the FP8 staging race and validate its fix, end to end, in a minute.
+
+    Generates a small Qwen3.5-style FP8 checkpoint, builds the index, runs the
+    emulated TP2 KT staging server unfenced and fenced on the same requests with
+    moetrace's hooks, analyzes both and writes reports and plots. Exit 0 when the
+    race is found unfenced and the fenced run passes.
+
+    \b
+    Example:
+      moetrace demo --workdir /tmp/moetrace-demo
+    """
+    from moetrace import demo
+
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise MoetraceError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
+    echo = (lambda s: None) if as_json else (lambda s: click.echo(s))
+    summary = demo.run_demo(workdir, device=device, quick=quick, echo=echo)
+    if as_json:
+        click.echo(demo.to_json(summary))
+    else:
+        demo.print_demo(summary, echo)
+    sys.exit(0 if summary["race_found"] and summary["fix_validated"] else 1)
+
+
 @main.command("serve")
 @click.argument("checkpoint", required=False, type=click.Path(file_okay=False, path_type=str))
 @click.option("--model-path", "model_path", default=None, type=click.Path(file_okay=False, path_type=str),

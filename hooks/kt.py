@@ -29,7 +29,13 @@ from moetrace.tracer.capture import Tracer
 log = logging.getLogger("moetrace.kt")
 
 # Where the fork defines SharedFullContext (it moved between fork versions).
-KT_MODULES = ("sglang.srt.layers.moe.kt_full_context", "sglang.srt.layers.moe.kt_ep_wrapper")
+# Modules that may define SharedFullContext: the KT fork's (two layouts across
+# its history) and moetrace's own emulator, which mirrors the fork's class.
+KT_MODULES = (
+    "sglang.srt.layers.moe.kt_full_context",
+    "sglang.srt.layers.moe.kt_ep_wrapper",
+    "moetrace.emulator.staging",
+)
 GPU_COPIED = -1
 
 _ATTACHED: dict[type, "KTLoadCapture"] = {}
@@ -161,6 +167,8 @@ def find_shared_full_context(mode: object = "auto") -> list[type]:
     found: list[type] = []
     for name in KT_MODULES:
         mod = sys.modules.get(name)
+        if mod is None and mode == "auto":
+            continue  # auto never imports: a server only has the modules it loaded
         if mod is None:
             try:
                 mod = importlib.import_module(name)

@@ -1,0 +1,206 @@
+"""`moetrace demo` and the selftest's detector proof: the whole pipeline on an
+emulated TP2 KT staging server.
+
+checkpoint (synthetic Qwen3.5 FP8) -> index -> emulated server, unfenced and
+fenced, same requests, moetrace's own hooks -> analyze both -> reports, plot,
+token-0 differences against a reference computed from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+RUNS = (("unfenced", "none"), ("fenced", "all"))
+
+
+@dataclass(frozen=True)
+class DemoSize:
+    layers: int = 2
+    experts: int = 8
+    hidden: int = 256
+    intermediate: int = 256
+    prompt_repeats: int = 3  # the long prompt is this many copies of one sentence
+
+
+QUICK = DemoSize()
+FULL = DemoSize(layers=2, experts=16, hidden=512, intermediate=512, prompt_repeats=4)
+
+
+def demo_requests(size: DemoSize) -> list[dict]:
+    """A fresh long prompt, then the same prefix replayed with more text: the
+    prefix-cache hit that exposed the race in the field."""
+    base = "Experts stage through host slots; a slow peer may read a slot after it was refilled. " * size.prompt_repeats
+    return [
+        {"prompt": base, "max_tokens": 4},
+        {"prompt": base + "Which expert did rank one really load?", "max_tokens": 4},
+    ]
+
+
+def _prepare(workdir: Path, size: DemoSize, echo: Callable[[str], None]) -> tuple[Path, Path, str]:
+    from moetrace.checkpoints.reader import open_checkpoint
+    from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
+    from moetrace.tracer.index import build_index, write_index
+
+    ckpt = workdir / "checkpoint"
+    if not (ckpt / "config.json").exists():
+        write_synthetic_checkpoint(ckpt, family="qwen3_5_moe", fmt="fp8_block", num_layers=size.layers,
+                                   num_experts=size.experts, hidden=size.hidden, intermediate=size.intermediate,
+                                   scale_dtype="bfloat16", num_files=2)
+    checkpoint_id = open_checkpoint(ckpt).identity
+    echo(f"checkpoint: {ckpt} (synthetic Qwen3.5 FP8: {size.layers} MoE layers x {size.experts} experts, "
+         f"H {size.hidden}, I {size.intermediate}; id {checkpoint_id})")
+    index = write_index(build_index(ckpt, 2), workdir / "index.parquet")
+    echo(f"index: {index} (expected TP2 shards, fingerprinted)")
+    return ckpt, index, checkpoint_id
+
+
+def _run(ckpt: Path, traces: Path, run_id: str, fence: str, requests: list[dict], checkpoint_id: str,
+         device: str, slow_rank: int | None):
+    from moetrace.emulator import run_emulation
+    from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec
+
+    spec = hook_spec({"out": str(traces), "run_id": run_id, "checkpoint_id": checkpoint_id}, DEFAULT_TARGETS)
+    return run_emulation(ckpt, requests, tp=2, fence=fence, slow_rank=slow_rank, forward_hooks=spec, device=device)
+
+
+def _token0_delta(result, reference) -> float:
+    return max(float((r.token0_logits.float() - ref.token0_logits.float()).abs().max())
+               for r, ref in zip(result.requests, reference))
+
+
+def run_pair(workdir: Path, size: DemoSize, device: str = "cpu", slow_rank: int | None = 1,
+             echo: Callable[[str], None] = lambda s: None) -> dict:
+    """Unfenced and fenced runs on one schedule, analyzed; returns the pieces."""
+    from moetrace.analysis import analyze
+    from moetrace.emulator import reference_outputs
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    ckpt, index, checkpoint_id = _prepare(workdir, size, echo)
+    requests = demo_requests(size)
+    traces = workdir / "traces"
+    reference = reference_outputs(ckpt, requests, tp=2)
+    out = {"checkpoint": ckpt, "index": index, "traces": traces, "runs": {}}
+    for run_id, fence in RUNS:
+        t0 = time.perf_counter()
+        result = _run(ckpt, traces, run_id, fence, requests, checkpoint_id, device, slow_rank)
+        seconds = time.perf_counter() - t0
+        report = analyze([str(traces / run_id)], index=str(index))
+        out["runs"][run_id] = {"fence": fence, "result": result, "report": report, "seconds": seconds,
+                               "token0_max_abs_delta": _token0_delta(result, reference),
+                               "tokens_equal_reference": all(r.output_ids == ref.output_ids
+                                                             for r, ref in zip(result.requests, reference))}
+        echo(f"ran the emulated TP2 server {run_id} (--fence {fence}): {len(result.loads)} staged layer-loads, "
+             f"{seconds:.1f} s")
+    return out
+
+
+def _write_reports(run_id: str, report, reports: Path) -> dict:
+    from moetrace.analysis import plot, render
+
+    reports.mkdir(parents=True, exist_ok=True)
+    paths = {"json": reports / f"{run_id}.json", "markdown": reports / f"{run_id}.md",
+             "junit": reports / f"{run_id}.junit.xml", "plot": reports / f"{run_id}.png"}
+    paths["json"].write_text(render.to_json(report))
+    paths["markdown"].write_text(render.to_markdown(report))
+    paths["junit"].write_text(render.to_junit(report))
+    plot.plot(report, str(paths["plot"]))
+    return {k: str(v) for k, v in paths.items()}
+
+
+def run_demo(workdir: str | Path, device: str = "cpu", quick: bool = False,
+             echo: Callable[[str], None] = print) -> dict:
+    workdir = Path(workdir)
+    t0 = time.perf_counter()
+    pair = run_pair(workdir, QUICK if quick else FULL, device, echo=echo)
+    summary = {"workdir": str(workdir), "checkpoint": str(pair["checkpoint"]), "index": str(pair["index"]),
+               "runs": {}}
+    for run_id, run in pair["runs"].items():
+        rep = run["report"]
+        doc = rep.doc
+        summary["runs"][run_id] = {
+            "fence": run["fence"],
+            "trace": str(pair["traces"] / run_id),
+            "audit_exit_code": rep.exit_code,
+            "totals": doc["totals"]["sentence"],
+            "first_divergence": [f["sentence"] for f in doc["first_divergence"]],
+            "summaries": [s["sentence"] for s in doc["summaries"]],
+            "token0_max_abs_logit_delta_vs_reference": run["token0_max_abs_delta"],
+            "tokens_equal_reference": run["tokens_equal_reference"],
+            "reports": _write_reports(run_id, rep, workdir / "reports"),
+        }
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    unf, fen = summary["runs"]["unfenced"], summary["runs"]["fenced"]
+    summary["race_found"] = unf["audit_exit_code"] == 1 and any("(E+2)" in s for s in unf["first_divergence"])
+    summary["fix_validated"] = fen["audit_exit_code"] == 0
+    return summary
+
+
+def print_demo(summary: dict, echo: Callable[[str], None] = print) -> None:
+    unf, fen = summary["runs"]["unfenced"], summary["runs"]["fenced"]
+    echo("")
+    echo("== unfenced (the fork as it is: rank 0 waits only for its own copy before refilling a slot)")
+    for s in unf["first_divergence"]:
+        echo(f"first divergence: {s}")
+    for s in unf["summaries"][:4]:
+        echo(f"  {s}")
+    if len(unf["summaries"]) > 4:
+        echo(f"  ... {len(unf['summaries']) - 4} more loads like these")
+    echo(f"  {unf['totals']}")
+    echo(f"  token 0 vs reference: max |logit delta| {unf['token0_max_abs_logit_delta_vs_reference']:.3g}"
+         f"{'' if unf['tokens_equal_reference'] else ', output tokens differ'}")
+    echo("== fenced (every rank syncs its copy, then a collective fence, before a slot is reused)")
+    echo(f"  {fen['totals']}")
+    echo(f"  token 0 vs reference: max |logit delta| {fen['token0_max_abs_logit_delta_vs_reference']:.3g}"
+         f"{'' if fen['tokens_equal_reference'] else ', output tokens differ'}")
+    echo("")
+    race = "found" if summary["race_found"] else "NOT found"
+    fix = "validated" if summary["fix_validated"] else "NOT validated"
+    echo(f"race {race} unfenced; fix {fix} fenced ({summary['seconds']} s)")
+    echo(f"plots:   {unf['reports']['plot']}  {fen['reports']['plot']}")
+    echo(f"reports: {Path(unf['reports']['markdown']).parent}/ (json, md, junit per run); traces: "
+         f"{Path(unf['trace']).parent}/")
+
+
+# ------------------------------------------------------------------ selftest
+
+
+def detector_proof(workdir: Path, device: str = "cpu", quick: bool = True, sabotage: dict | None = None) -> dict:
+    """The detector proof of `moetrace selftest`: on this device, the unfenced
+    transport must be caught as E+2 on rank 1's w2 scales, and the fenced one
+    must pass with full coverage, on the same injected schedule.
+
+    sabotage (tests only): {"injection": True} runs without the slow peer,
+    which must make the proof fail.
+    """
+    sabotage = sabotage or {}
+    slow_rank = None if sabotage.get("injection") else 1
+    pair = run_pair(Path(workdir) / "detector", QUICK if quick else FULL, device, slow_rank)
+    unf = pair["runs"]["unfenced"]["report"]
+    fen = pair["runs"]["fenced"]["report"]
+    first = [e for f in unf.doc["first_divergence"] for e in f["entries"]]
+    caught = unf.exit_code == 1 and any(
+        e["verdict"] == "stale" and e.get("k") == 2 and e["tp_rank"] == 1 and e["tensor"] == "w2_weight_scale_inv"
+        for e in first
+    )
+    totals = fen.doc["totals"]
+    clean = fen.exit_code == 0 and totals["missing"] == 0 and totals["divergent"] == 0 and totals["tensors"] > 0
+    problems = []
+    if not caught:
+        got = "; ".join(f["sentence"] for f in unf.doc["first_divergence"]) or "no divergence"
+        problems.append(f"unfenced run not caught as E+2 on rank 1's w2_weight_scale_inv (audit exit {unf.exit_code}: {got})")
+    if not clean:
+        problems.append(f"fenced run is not a clean complete audit (exit {fen.exit_code}: {totals['sentence']})")
+    detail = (
+        f"unfenced caught: {first[0]['sentence']}; fenced: {totals['sentence']}"
+        if not problems else "; ".join(problems)
+    )
+    return {"ok": not problems, "detail": detail, "unfenced_exit": unf.exit_code, "fenced_exit": fen.exit_code,
+            "unfenced_totals": unf.doc["totals"]["sentence"], "fenced_totals": totals["sentence"]}
+
+
+def to_json(summary: dict) -> str:
+    return json.dumps(summary, indent=2, default=str)
