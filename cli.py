@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import click
@@ -260,15 +261,17 @@ def launch_cmd(sglang_version, keep_cuda_graph, close_timeout, server_cmd, **kw)
 
 
 # ---- analysis: analyze, diff, audit -----------------------------------------
-def _analysis_options(f):
+def _analysis_options(f, trace_required: bool = True):
     """Options shared by analyze and audit."""
     opts = [
-        click.argument("trace", nargs=-1, required=True),
+        click.argument("trace", nargs=-1, required=trace_required),
         click.option("--index", "index_path", default=None, metavar="FILE",
                      help="Expected-fingerprint index Parquet (moetrace index)."),
         click.option("--checkpoint", default=None, metavar="CKPT",
                      help="Checkpoint folder: build (or reuse from the cache) the index for the trace's TP/EP."),
         click.option("--json", "as_json", is_flag=True, help="Print the JSON report (docs/analysis.md) instead of text."),
+        click.option("--json-out", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+                     help="Also write the JSON report to FILE."),
         click.option("--markdown", type=click.Path(dir_okay=False), default=None, metavar="FILE",
                      help="Also write a Markdown report."),
         click.option("--junit", type=click.Path(dir_okay=False), default=None, metavar="FILE",
@@ -285,13 +288,18 @@ def _analysis_options(f):
     return f
 
 
-def _run_analysis(command, trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows):
+def _run_analysis(command, trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows,
+                  json_out=None):
     from moetrace.analysis import render
     from moetrace.analysis.report import analyze
 
     rep = analyze(list(trace), index=index_path, checkpoint=checkpoint, max_rows=max_rows)
     outputs = []
     try:
+        if json_out:
+            with open(json_out, "w") as fh:
+                fh.write(render.to_json(rep))
+            outputs.append(f"json: {json_out}")
         if markdown:
             with open(markdown, "w") as fh:
                 fh.write(render.to_markdown(rep))
@@ -318,7 +326,7 @@ def _run_analysis(command, trace, index_path, checkpoint, as_json, markdown, jun
 
 @main.command("analyze")
 @_analysis_options
-def analyze_cmd(trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows):
+def analyze_cmd(trace, index_path, checkpoint, as_json, json_out, markdown, junit, plot, max_lines, max_rows):
     """Give every captured tensor a verdict and find the first divergence.
 
     TRACE is a run folder OUT/<run_id>, an OUT folder of several runs, a glob
@@ -331,13 +339,48 @@ def analyze_cmd(trace, index_path, checkpoint, as_json, markdown, junit, plot, m
     Example:
       moetrace analyze /data/traces/unfenced --index index.parquet --plot grid.png
     """
-    _run_analysis("analyze", trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows)
+    _run_analysis("analyze", trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows, json_out)
+
+
+def _launch_options(f):
+    """audit --launch: run the server with hooks, drive traffic, stop, analyze."""
+    opts = [
+        click.option("--launch", "launch_cmd", default=None, metavar="CMD",
+                     help="Server command to launch with capture hooks (SGLang, the KT fork or `moetrace serve`)."),
+        click.option("--out", default="moetrace-traces", show_default=True, help="Trace output folder or URL (--launch)."),
+        click.option("--run-id", default=None, help="Run id under OUT (--launch; default: a new timestamped id)."),
+        click.option("--requests", type=click.IntRange(min=1), default=3, show_default=True,
+                     help="Fresh long prompts to send (--launch)."),
+        click.option("--prompt-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+                     help="Words per fresh prompt (~tokens; the emulator counts bytes) (--launch)."),
+        click.option("--replays", type=click.IntRange(min=0), default=1, show_default=True,
+                     help="Times each prompt is replayed with an extension: prefix-cache hits (--launch)."),
+        click.option("--max-tokens", type=click.IntRange(min=1), default=4, show_default=True,
+                     help="Tokens generated per request (--launch)."),
+        click.option("--base-url", default=None,
+                     help="Server URL (default: http://127.0.0.1:<--port of the command, else 30000>)."),
+        click.option("--ready-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
+                     help="Seconds to wait for /health (--launch)."),
+        click.option("--hook-config", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="JSON file of extra hook config keys (sampling etc., docs/capture.md) (--launch)."),
+        click.option("--sglang-version", default=None, help="SGLang version of the server (picks the CUDA-graph flags)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
 
 
 @main.command("audit")
-@_analysis_options
-def audit_cmd(trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows):
+@_launch_options
+@functools.partial(_analysis_options, trace_required=False)
+def audit_cmd(trace, index_path, checkpoint, as_json, json_out, markdown, junit, plot, max_lines, max_rows,
+              launch_cmd, out, run_id, requests, prompt_tokens, replays, max_tokens, base_url,
+              ready_timeout, hook_config, sglang_version):
     """Like analyze, for CI: the exit code is the verdict.
+
+    With --launch, the nightly job in one command: start the server with capture
+    hooks, wait for health, send fresh long prompts and replayed prefixes, stop
+    the server cleanly, analyze the run and write the reports.
 
     \b
     Exit codes:
@@ -345,17 +388,75 @@ def audit_cmd(trace, index_path, checkpoint, as_json, markdown, junit, plot, max
       1  at least one captured entry diverges (wins over 2)
       2  incomplete or unusable: nothing captured, rows dropped, hook/sink
          errors, a rank missing, a manifest not finished, an unreadable part,
-         an expected entry not captured, or a checkpoint/TP/EP mismatch
+         an expected entry not captured, a checkpoint/TP/EP mismatch, or (with
+         --launch) a server that never became healthy or failed requests
 
     \b
-    Example:
+    Examples:
       moetrace audit /data/traces/nightly --checkpoint ./Qwen3.5-122B-A10B-FP8 --junit audit.xml
+      moetrace audit --launch "python -m sglang.launch_server --model-path M --tp 2 --port 30000" \\
+          --checkpoint M --requests 3 --prompt-tokens 16384 --out /nightly --junit junit.xml --json-out audit.json
     """
-    rep = _run_analysis("audit", trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows)
+    traffic_problem = None
+    if launch_cmd:
+        if trace:
+            raise MoetraceError("audit: give either TRACE folders or --launch, not both")
+        if not (index_path or checkpoint):
+            raise MoetraceError("audit --launch: give --index FILE or --checkpoint CKPT to compare against")
+        trace, traffic_problem = _launch_for_audit(launch_cmd, out, run_id, index_path, checkpoint, requests,
+                                                   prompt_tokens, replays, max_tokens, base_url, ready_timeout,
+                                                   hook_config, sglang_version, quiet=as_json)
+    elif not trace:
+        raise MoetraceError("audit: give a TRACE folder (OUT/<run_id>) or --launch CMD")
+    rep = _run_analysis("audit", trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows,
+                        json_out)
+    code = rep.exit_code
+    if traffic_problem and code == 0:
+        code = 2  # a trace of traffic that did not happen proves nothing
     if not as_json:
-        word = {0: "pass", 1: "divergence found", 2: "incomplete"}[rep.exit_code]
-        click.echo(f"audit: exit {rep.exit_code} ({word})")
-    sys.exit(rep.exit_code)
+        if traffic_problem:
+            click.echo(f"audit: traffic problem: {traffic_problem}")
+        word = {0: "pass", 1: "divergence found", 2: "incomplete"}[code]
+        click.echo(f"audit: exit {code} ({word})")
+    sys.exit(code)
+
+
+def _launch_for_audit(launch_cmd, out, run_id, index_path, checkpoint, requests, prompt_tokens, replays,
+                      max_tokens, base_url, ready_timeout, hook_config, sglang_version, quiet):
+    import json
+
+    from moetrace import nightly
+
+    config: dict = {}
+    if hook_config:
+        try:
+            with open(hook_config) as fh:
+                config = json.load(fh)
+        except (OSError, json.JSONDecodeError) as err:
+            raise MoetraceError(f"--hook-config {hook_config}: not a JSON object of hook config keys ({err})") from None
+        if not isinstance(config, dict):
+            raise MoetraceError(f"--hook-config {hook_config}: expected a JSON object of hook config keys")
+    config["out"] = out
+    if run_id:
+        config["run_id"] = run_id
+    if index_path:
+        from moetrace.tracer.index import index_metadata
+
+        config.setdefault("checkpoint_id", index_metadata(index_path)["checkpoint_id"])
+    elif checkpoint:
+        from moetrace.checkpoints.reader import open_checkpoint
+
+        config.setdefault("checkpoint_id", open_checkpoint(checkpoint).identity)
+    traffic = nightly.Traffic(requests=requests, prompt_tokens=prompt_tokens, replays=replays, max_tokens=max_tokens,
+                              ready_timeout_s=ready_timeout)
+    echo = (lambda m: click.echo(m, err=True)) if not quiet else (lambda m: None)
+    run_dir, server_code, res = nightly.launch_and_drive(launch_cmd, config, traffic, base_url, echo=echo,
+                                                         sglang_version=sglang_version)
+    problem = None
+    if not res.ok:
+        problem = res.error or "traffic did not complete"
+    echo(f"moetrace: server exited with {server_code}; {res.sent} requests answered, {res.failed} failed")
+    return (run_dir,), problem
 
 
 @main.command("diff")
