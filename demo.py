@@ -73,7 +73,7 @@ def _token0_delta(result, reference) -> float:
 
 
 def run_pair(workdir: Path, size: DemoSize, device: str = "cpu", slow_rank: int | None = 1,
-             echo: Callable[[str], None] = lambda s: None) -> dict:
+             echo: Callable[[str], None] = lambda s: None, runs: tuple[tuple[str, str], ...] = RUNS) -> dict:
     """Unfenced and fenced runs on one schedule, analyzed; returns the pieces."""
     from moetrace.analysis import analyze
     from moetrace.emulator import reference_outputs
@@ -84,7 +84,7 @@ def run_pair(workdir: Path, size: DemoSize, device: str = "cpu", slow_rank: int 
     traces = workdir / "traces"
     reference = reference_outputs(ckpt, requests, tp=2)
     out = {"checkpoint": ckpt, "index": index, "traces": traces, "runs": {}}
-    for run_id, fence in RUNS:
+    for run_id, fence in runs:
         t0 = time.perf_counter()
         result = _run(ckpt, traces, run_id, fence, requests, checkpoint_id, device, slow_rank)
         seconds = time.perf_counter() - t0
@@ -173,12 +173,14 @@ def detector_proof(workdir: Path, device: str = "cpu", quick: bool = True, sabot
     transport must be caught as E+2 on rank 1's w2 scales, and the fenced one
     must pass with full coverage, on the same injected schedule.
 
-    sabotage (tests only): {"injection": True} runs without the slow peer,
-    which must make the proof fail.
+    sabotage (tests only), each of which must make the proof fail:
+    {"injection": True} runs without the slow peer; {"fence": True} runs the
+    "fenced" side without its fence.
     """
     sabotage = sabotage or {}
     slow_rank = None if sabotage.get("injection") else 1
-    pair = run_pair(Path(workdir) / "detector", QUICK if quick else FULL, device, slow_rank)
+    runs = (("unfenced", "none"), ("fenced", "none" if sabotage.get("fence") else "all"))
+    pair = run_pair(Path(workdir) / "detector", QUICK if quick else FULL, device, slow_rank, runs=runs)
     unf = pair["runs"]["unfenced"]["report"]
     fen = pair["runs"]["fenced"]["report"]
     first = [e for f in unf.doc["first_divergence"] for e in f["entries"]]

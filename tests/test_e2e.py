@@ -1,0 +1,160 @@
+"""End to end on CPU: emulated TP2 KT server + moetrace hooks + analysis.
+
+The unfenced transport must be caught with the E+2 verdict on every run; the
+fenced one must pass with full coverage; `audit --launch` exit codes; no
+processes or shared-memory segments left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetrace import demo
+
+CLI = [sys.executable, "-m", "moetrace.cli"]
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _children_alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_unfenced_caught_every_run_fenced_clean(tmp_path, attempt):
+    before = _shm()
+    pair = demo.run_pair(tmp_path, demo.QUICK)
+    unf, fen = pair["runs"]["unfenced"], pair["runs"]["fenced"]
+    rep = unf["report"]
+    assert rep.exit_code == 1
+    first = rep.doc["first_divergence"][0]
+    assert first["ranks"] == [1] and first["layer"] == 0 and first["step"] == 0
+    e = first["entries"][0]
+    assert (e["verdict"], e["k"], e["tensor"], e["tp_rank"]) == ("stale", 2, "w2_weight_scale_inv", 1)
+    assert e["found"]["expert"] == e["expert"] + 2
+    # every staged load on rank 1: all experts but the last two hold E+2 in w2 scales
+    n = demo.QUICK.experts
+    staged = [s for s in rep.doc["summaries"] if s["source"] == "staged"]
+    assert staged and all(s["tp_rank"] == 1 and s["tensor"] == "w2_weight_scale_inv" for s in staged)
+    assert all(s["sentence"].endswith(f"{n - 2}/{n} w2_weight_scale_inv are E+2") for s in staged)
+    assert rep.doc["totals"]["by_verdict"]["stale"] == rep.doc["totals"]["divergent"] > 0
+    assert unf["token0_max_abs_delta"] > 0
+    # fenced: every expected tensor captured and matching, the reference reproduced exactly
+    frep = fen["report"]
+    assert frep.exit_code == 0
+    t = frep.doc["totals"]
+    assert t["missing"] == 0 and t["divergent"] == 0 and t["match"] == t["tensors"] > 0
+    assert fen["token0_max_abs_delta"] == 0 and fen["tokens_equal_reference"]
+    for run in (unf, fen):
+        assert not _children_alive(run["result"].pids)
+    assert _shm() <= before  # nothing leaked
+
+
+def test_demo_command_json(tmp_path):
+    proc = subprocess.run([*CLI, "demo", "--quick", "--json", "--workdir", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads(proc.stdout)
+    assert s["race_found"] and s["fix_validated"]
+    unf, fen = s["runs"]["unfenced"], s["runs"]["fenced"]
+    assert "(E+2)" in unf["first_divergence"][0] and unf["audit_exit_code"] == 1
+    assert fen["audit_exit_code"] == 0 and fen["first_divergence"] == []
+    for run in (unf, fen):
+        for path in run["reports"].values():
+            assert Path(path).stat().st_size > 0
+        assert Path(run["reports"]["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_text_output(tmp_path):
+    proc = subprocess.run([*CLI, "demo", "--quick", "--workdir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "first divergence: step 0, layer 0, rank 1, expert 0: w2_weight_scale_inv holds expert 2 (E+2)" in out
+    assert "race found unfenced; fix validated fenced" in out
+    assert "token 0 vs reference: max |logit delta| 0\n" in out  # fenced is exact
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
+
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("e2e") / "c", num_layers=2, num_experts=8, hidden=256,
+                                      intermediate=256)
+
+
+def _audit_launch(ckpt, tmp_path, server_args, *extra):
+    port = _port()
+    server = f"{sys.executable} -m moetrace.cli serve {ckpt} --tp 2 --port {port} {server_args}"
+    cmd = [*CLI, "audit", "--launch", server, "--checkpoint", str(ckpt), "--requests", "1", "--prompt-tokens", "20",
+           "--out", str(tmp_path / "traces"), "--run-id", "nightly", "--junit", str(tmp_path / "j.xml"),
+           "--json-out", str(tmp_path / "a.json"), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def test_audit_launch_unfenced_exits_1(ckpt, tmp_path):
+    before = _shm()
+    proc = _audit_launch(ckpt, tmp_path, "--fence none")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "holds expert 2 (E+2)" in proc.stdout and "audit: exit 1 (divergence found)" in proc.stdout
+    doc = json.loads((tmp_path / "a.json").read_text())
+    assert doc["audit_exit_code"] == 1
+    assert "<failure" in (tmp_path / "j.xml").read_text()
+    run = json.loads((tmp_path / "traces" / "nightly" / "_run.json").read_text())
+    assert run["complete"] and run["server_exit_code"] == 0
+    assert _shm() <= before
+
+
+def test_audit_launch_fenced_exits_0(ckpt, tmp_path):
+    proc = _audit_launch(ckpt, tmp_path, "--fence all")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ALL MATCH" in proc.stdout and "audit: exit 0 (pass)" in proc.stdout
+    assert json.loads((tmp_path / "a.json").read_text())["totals"]["missing"] == 0
+
+
+def test_audit_launch_server_that_dies_exits_2(ckpt, tmp_path):
+    cmd = [*CLI, "audit", "--launch", f"{sys.executable} -c 'import sys; sys.exit(3)' --port {_port()}",
+           "--checkpoint", str(ckpt), "--out", str(tmp_path / "traces"), "--ready-timeout", "20"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        ([], "give a TRACE folder"),
+        (["--launch", "x", "some/trace"], "not both"),
+        (["--launch", "x"], "--index FILE or --checkpoint"),
+    ],
+)
+def test_audit_usage_errors_are_one_line(args, needle):
+    from click.testing import CliRunner
+
+    from moetrace.cli import main
+
+    r = CliRunner().invoke(main, ["audit", *args])
+    assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
