@@ -185,19 +185,24 @@ def _capture_options(f):
     return f
 
 
-def _capture_config(kw: dict) -> tuple[dict, tuple[str, ...]]:
+def _json_object(path: str, option: str) -> dict:
+    """A JSON file of hook config keys, or a one-line error naming the option."""
     import json
 
-    config: dict = {}
+    try:
+        with open(path) as fh:
+            config = json.load(fh)
+    except (OSError, json.JSONDecodeError) as err:
+        raise MoetraceError(f"{option} {path}: not a JSON object of hook config keys ({err})") from None
+    if not isinstance(config, dict):
+        raise MoetraceError(f"{option} {path}: expected a JSON object of hook config keys")
+    return config
+
+
+def _capture_config(kw: dict) -> tuple[dict, tuple[str, ...]]:
+
     path = kw.pop("config_file", None)
-    if path:
-        try:
-            with open(path) as fh:
-                config = json.load(fh)
-        except (OSError, json.JSONDecodeError) as err:
-            raise MoetraceError(f"--config {path}: not a JSON object of hook config keys ({err})") from None
-        if not isinstance(config, dict):
-            raise MoetraceError(f"--config {path}: expected a JSON object of hook config keys")
+    config = _json_object(path, "--config") if path else {}
     targets = tuple(kw.pop("targets", ()) or ())
     kt = kw.pop("kt", None)
     if kt is not None:
@@ -423,19 +428,10 @@ def audit_cmd(trace, index_path, checkpoint, as_json, json_out, markdown, junit,
 
 def _launch_for_audit(launch_cmd, out, run_id, index_path, checkpoint, requests, prompt_tokens, replays,
                       max_tokens, base_url, ready_timeout, hook_config, sglang_version, quiet):
-    import json
 
     from moetrace import nightly
 
-    config: dict = {}
-    if hook_config:
-        try:
-            with open(hook_config) as fh:
-                config = json.load(fh)
-        except (OSError, json.JSONDecodeError) as err:
-            raise MoetraceError(f"--hook-config {hook_config}: not a JSON object of hook config keys ({err})") from None
-        if not isinstance(config, dict):
-            raise MoetraceError(f"--hook-config {hook_config}: expected a JSON object of hook config keys")
+    config = _json_object(hook_config, "--hook-config") if hook_config else {}
     config["out"] = out
     if run_id:
         config["run_id"] = run_id

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from moetrace.timing import best_of
 from moetrace.tracer import fingerprint as F
 
 # Hooks for tests that must see each proof fail: set by monkeypatching, never by users.
@@ -138,17 +139,6 @@ def _sensitivity(dev: torch.device) -> str:
 # ----------------------------------------------------------- 3. throughput
 
 
-def _best(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure_throughput(device: str, quick: bool) -> Proof:
     def run():
         dev = check_device(device)
@@ -158,9 +148,9 @@ def measure_throughput(device: str, quick: bool) -> Proof:
         x = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).to(dev)
         dst = torch.empty_like(x)
         reps = 2 if quick else 3
-        t_copy = _best(lambda: dst.copy_(x), reps, sync)
-        t_fp = _best(lambda: F.fingerprint(x), reps, sync)
-        t_sha = _best(lambda: hashlib.sha256(x.cpu().numpy().tobytes()).digest(), reps, sync)
+        t_copy = best_of(lambda: dst.copy_(x), reps, sync)
+        t_fp = best_of(lambda: F.fingerprint(x), reps, sync)
+        t_sha = best_of(lambda: hashlib.sha256(x.cpu().numpy().tobytes()).digest(), reps, sync)
         data = {
             "bytes": n,
             "fingerprint_GBps": n / t_fp / 1e9,
@@ -204,8 +194,8 @@ def _capture_cost(dev: torch.device, quick: bool, sync) -> dict:
             F.finalize(lane, F.row_bytes(t).shape[1])
 
     reps = 2 if quick else 3
-    t_copy = _best(copies, reps, sync)
-    t_cap = _best(capture, reps, sync)
+    t_copy = best_of(copies, reps, sync)
+    t_cap = best_of(capture, reps, sync)
     label = f"E={e} H={h} I_tp={i_tp}"
     return {"capture_layer": label, "capture_vs_load_copies": t_cap / t_copy,
             "layer_bytes": sum(t.numel() * t.element_size() for t in src.values())}

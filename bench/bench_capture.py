@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 
 import torch
+
+from moetrace.timing import best_of
 
 from moetrace.tracer.capture import Tracer
 from moetrace.tracer.config import TraceConfig
@@ -44,15 +45,7 @@ def layer_tensors(experts: int, hidden: int, inter_tp: int, device: str) -> dict
     }
 
 
-def timed(fn, repeats: int, sync) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
+timed = best_of
 
 
 def main() -> None:

@@ -11,20 +11,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import time
 
 import torch
 
+from moetrace.timing import best_of
 from moetrace.tracer import fingerprint as F
-
-
-def best_of(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:

@@ -133,6 +133,12 @@ def build(job: RankJob, state: RankState, with_model: bool = True) -> None:
         cpu = {L: [own[L] if r == 0 else source.layer_shards(L, r) for r in range(world)] for L in layers}
         state.wrappers = make_wrappers(rt, cpu, cfg.slow_rank, cfg.op_timeout_s)
     if not with_model:
+        if cfg.forward_hooks:
+            # No model to hook in bench mode, but the factories still run: that
+            # is where moetrace's KT capture wraps SharedFullContext.load.
+            from moetrace.emulator.forward_hooks import register_forward_hooks
+
+            state.hooks = register_forward_hooks(torch.nn.Module(), cfg.forward_hooks)
         return
 
     mask = l2g = None
