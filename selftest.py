@@ -189,7 +189,8 @@ def _capture_cost(dev: torch.device, quick: bool, sync) -> dict:
             dst[name].copy_(src[name])
 
     def capture():
-        lanes = [F.row_lanes(F.row_bytes(t)) for t in src.values()]
+        # as the capture hook runs it: CPU tensors on all cores (TraceConfig.cpu_threads)
+        lanes = [F.row_lanes(F.row_bytes(t), threads=True) for t in src.values()]
         for t, lane in zip(src.values(), lanes):
             F.finalize(lane, F.row_bytes(t).shape[1])
 
