@@ -1,0 +1,45 @@
+"""Packaging policy: installing moetrace never replaces the torch it finds, and
+importing the capture side inside a server stays light."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_torch_requirement_has_no_version_bound():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch_reqs = [d for d in deps if d.split(";")[0].strip().lower().startswith("torch")]
+    # any specifier (even a lower bound) can make pip replace a user's torch build
+    assert torch_reqs == ["torch"], torch_reqs
+
+
+def test_make_installs_cpu_torch_only_when_missing():
+    makefile = (ROOT / "Makefile").read_text()
+    assert '-c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0' in makefile
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    assert "make test" in readme and "make demo" in readme
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_hook_import_is_light():
+    code = (
+        "import sys; import moetrace.hooks.sglang_hook, moetrace.tracer.capture; "
+        "heavy = [m for m in ('sglang', 'pandas', 'matplotlib', 'safetensors', 'click') if m in sys.modules]; "
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"importing the hook pulls {out}"
