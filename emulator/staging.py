@@ -142,13 +142,35 @@ def open_runtime(*, rank: int, world: int, prefix: str, layout: SlotLayout, fenc
             control.close(unlink=rank == 0)
         raise
     if device.type == "cuda":  # the fork registers its slots as pinned memory
-        for t in slots.own().values():
-            torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        _register_slots(slots, control, rank)
     inject = slow_rank is not None and world > 1
     hold = Hold(control, rank, slow_tensor) if inject and rank == slow_rank else None
     engine = CopyEngine(rank, device, timeout_s, hold)
     writer = NativeWriter(timeout_s) if rank == 0 else None
     return StagingRuntime(rank, world, fence, device, slots, control, engine, inject, hold, writer)
+
+
+def _register_slots(slots: HostSlots, control: Control, rank: int) -> None:
+    """cudaHostRegister this rank's slots in place (a pinned copy would not see
+    the writer's later bytes). cudart returns the error code instead of raising:
+    unchecked, a failure leaves pageable slots: their copies are staged at issue
+    time instead of DMA'd when the copy stream runs them, which is not the
+    fork's transport, and the error stays pending for torch's next launch check."""
+    cudart = torch.cuda.cudart()
+    done: list[int] = []
+    try:
+        for name, t in slots.own().items():
+            try:
+                torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+            except RuntimeError as err:
+                raise RuntimeError(f"rank {rank}: cudaHostRegister of host slot {name} failed: {err}") from None
+            done.append(t.data_ptr())
+    except BaseException:
+        for ptr in done:
+            cudart.cudaHostUnregister(ptr)
+        slots.close(unlink=rank == 0)
+        control.close(unlink=rank == 0)
+        raise
 
 
 def make_wrappers(rt: StagingRuntime, layers: dict[int, list[dict[str, torch.Tensor]]], slow_rank: int | None,

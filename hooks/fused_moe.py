@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moetrace.hooks.ranks import module_ranks
-from moetrace.tracer.capture import Tracer
+from moetrace.tracer.capture import Tracer, cuda_graph_capturing
 from moetrace.tracer.schema import TENSOR_NAMES
 
 LAYER_ATTRS = ("layer_id", "layer_idx", "layer_number")
@@ -81,6 +81,9 @@ class FusedMoECapture:
         if not tr.enabled:
             return None
         try:
+            if cuda_graph_capturing():  # a graph-capture pass, not a step: replays never reach hooks
+                tr.note_once("forward hook ran during CUDA-graph capture: that pass is not captured")
+                return None
             layer = layer_of(module)
             step = tr.step_for(self.source, layer)
             if not tr.sampling.want(self.source, step, layer):

@@ -251,3 +251,35 @@ def test_config_refusals(ckpt):
         run_emulation(ckpt, ["x"], tp=2, fence="some")
     with pytest.raises(MoetraceError, match="not a multiple of the FP8 block"):
         run_emulation(ckpt, ["x"], tp=4)
+
+
+def test_failed_cuda_host_register_raises_and_releases(monkeypatch):
+    # cudart returns an error code instead of raising: a failure must not leave
+    # pageable slots behind silently (nor the segments).
+    from moetrace.emulator import staging
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr))
+            return 0 if len(calls) == 1 else 1
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    def check_error(res):
+        if res != 0:
+            raise RuntimeError(f"error {res}")
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(torch.cuda, "check_error", check_error)
+    prefix = shm.new_prefix()
+    layout = shm.SlotLayout(("a", "b"), ((4, 8), (2,)), (torch.float8_e4m3fn, torch.float32))
+    control = shm.Control(prefix, 1, create=True)
+    slots = shm.HostSlots(prefix, 0, 1, layout, create=True)
+    with pytest.raises(RuntimeError, match="cudaHostRegister of host slot b failed"):
+        staging._register_slots(slots, control, 0)
+    assert [c[0] for c in calls] == ["register", "register", "unregister"] and calls[2][1] == calls[0][1]
+    assert shm.list_segments(prefix) == []

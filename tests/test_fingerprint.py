@@ -72,6 +72,20 @@ def test_dtypes_rows_and_views(dtype):
     assert F.fingerprint(view) != F.fingerprint(t) or t.shape[1] == t.shape[2]
 
 
+@pytest.mark.parametrize("block", [1, 2, 3])
+def test_torch_rows_with_tails_in_bounded_groups(block, monkeypatch):
+    # Rows with a tail are not one run of whole chunks: the torch path takes a
+    # few rows at a time (at most one block of chunks), never a copy of them all.
+    monkeypatch.setattr(F, "_TORCH_BLOCK_CHUNKS", block)
+    C = F.CHUNK_BYTES
+    for n in (2 * C + 5, 3 * C, C + 4):
+        rows = _bytes(7 * n + 8, seed=n)[8:].view(7, n)
+        assert F.finalize(F.row_lanes(rows, "numpy"), n) == F.finalize(F.row_lanes(rows, "torch"), n)
+        strided = _bytes(7 * (n + 8), seed=n + 1).view(7, n + 8)[:, 8:]
+        want = F.finalize(F.row_lanes(strided.contiguous(), "numpy"), n)
+        assert want == F.finalize(F.row_lanes(strided, "torch"), n)
+
+
 def test_dtype_and_shape_are_not_folded_in():
     x = _bytes(4096, seed=3)
     assert F.fingerprint(x) == F.fingerprint(x.view(torch.float32)) == F.fingerprint(x.reshape(64, 64))

@@ -350,6 +350,25 @@ def test_slot_to_global_expert_ids(tmp_path):
     assert [(r["expert"], r["local_expert"], r["ep_rank"], r["ep_size"]) for r in rows] == [(4 + i, i, 1, 2) for i in range(4)]
 
 
+def test_hook_skips_cuda_graph_capture_passes(tmp_path, monkeypatch):
+    # A pass the server records into a CUDA graph runs no kernels and forbids
+    # host syncs: the hook must neither capture nor count it as a step.
+    ep = FakeFusedMoE(0, {"w2_weight": torch.zeros(4, 2)}, 4)
+    tr = sglang_hook.get_tracer(sglang_hook.TraceConfig.from_dict({"out": str(tmp_path), "run_id": "graph", "tp_rank": 0, "tp_size": 1}))
+    hook = sglang_hook.FusedMoECapture(tr)
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_initialized", lambda: True)
+        m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        hook(ep, (), None)
+        hook(ep, (), None)
+    hook(ep, (), None)
+    assert tr.close()
+    rows = read_trace(str(tmp_path), "graph").to_pylist()
+    assert [(r["step"], r["expert"]) for r in rows] == [(0, e) for e in range(4)]
+    m = read_manifests(str(tmp_path), "graph")[0]
+    assert m["hook_errors"] == 0 and any("CUDA-graph capture" in n for n in m["notes"])
+
+
 # ----------------------------------------------------------------- faults
 
 

@@ -32,6 +32,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def cuda_graph_capturing() -> bool:
+    """True while this thread's current CUDA stream is capturing a CUDA graph.
+
+    A hook that fires then (the eager pass a server records into a graph) must
+    not capture: its kernels do not run, so the lanes would be garbage, and its
+    host syncs (pinned allocation, H2D of expert ids, event waits) are illegal
+    during capture and would invalidate the server's graph. Never initializes CUDA.
+    """
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 class StepCounter:
     """Forward-pass number of this rank, equal on every rank for the same pass.
 
@@ -197,7 +208,7 @@ class Tracer:
             return dev.cpu(), None
         host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
         host.copy_(dev, non_blocking=True)  # one small D2H per param; no sync in the hook
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event(blocking=True)  # the writer thread sleeps, not spins, while it waits
         ready.record(torch.cuda.current_stream(rows.device))
         return host, ready
 

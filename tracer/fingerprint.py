@@ -199,22 +199,18 @@ def _torch_row_lanes(rows: torch.Tensor) -> torch.Tensor:
     n_full, tail = divmod(n, CHUNK_BYTES)
     out = torch.zeros((r, n_full + (1 if tail else 0), 4), dtype=torch.int64, device=rows.device)
     if n_full:
-        full = rows[:, : n_full * CHUNK_BYTES]
-        if not full.is_contiguous():
-            full = full.contiguous()
-        full = full.reshape(r * n_full, CHUNK_BYTES)
-        lanes = out[:, :n_full].reshape(r * n_full, 4) if out.is_contiguous() and not tail else None
-        parts = []
-        for s in range(0, full.shape[0], _TORCH_BLOCK_CHUNKS):
-            blk = full[s : s + _TORCH_BLOCK_CHUNKS]
-            a = _torch_dot(_words(blk), ka)
-            b = _torch_dot(_words(blk[:, 4 : CHUNK_BYTES - 4]), kb)
-            parts.append(torch.cat([a, b], dim=1))
-        merged = torch.cat(parts, dim=0)
-        if lanes is not None:
-            lanes.copy_(merged)
-        else:
-            out[:, :n_full] = merged.reshape(r, n_full, 4)
+        # Rows with a tail (or strided rows) are not one run of whole chunks:
+        # take them a few rows at a time, so a copy is at most one block
+        # (never a contiguous copy of the whole parameter on the GPU).
+        step = r if tail == 0 and rows.is_contiguous() else max(1, _TORCH_BLOCK_CHUNKS // n_full)
+        for i in range(0, r, step):
+            full = rows[i : i + step, : n_full * CHUNK_BYTES].reshape(-1, CHUNK_BYTES)
+            lanes = torch.empty((full.shape[0], 4), dtype=torch.int64, device=rows.device)
+            for s in range(0, full.shape[0], _TORCH_BLOCK_CHUNKS):
+                blk = full[s : s + _TORCH_BLOCK_CHUNKS]
+                lanes[s : s + blk.shape[0], 0:2] = _torch_dot(_words(blk), ka)
+                lanes[s : s + blk.shape[0], 2:4] = _torch_dot(_words(blk[:, 4 : CHUNK_BYTES - 4]), kb)
+            out[i : i + step, :n_full] = lanes.view(-1, n_full, 4)
     if tail:
         n_aligned, n_offset, width = _tail_geometry(tail)
         padded = torch.zeros((r, width + 8), dtype=torch.uint8, device=rows.device)
