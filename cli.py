@@ -298,7 +298,12 @@ def _run_analysis(command, trace, index_path, checkpoint, as_json, markdown, jun
     from moetrace.analysis import render
     from moetrace.analysis.report import analyze
 
-    rep = analyze(list(trace), index=index_path, checkpoint=checkpoint, max_rows=max_rows)
+    try:
+        rep = analyze(list(trace), index=index_path, checkpoint=checkpoint, max_rows=max_rows)
+    except MoetraceError as err:
+        if command == "audit":  # CI still gets a failing test case and a JSON verdict
+            _write_unusable_reports(str(err), json_out, markdown, junit)
+        raise
     outputs = []
     try:
         if json_out:
@@ -327,6 +332,30 @@ def _run_analysis(command, trace, index_path, checkpoint, as_json, markdown, jun
         for o in outputs:
             click.echo(f"wrote {o}")
     return rep
+
+
+def _write_unusable_reports(message: str, json_out, markdown, junit) -> None:
+    """Reports for a trace that could not be analyzed at all (audit exit 2)."""
+    import json
+    from xml.etree import ElementTree as ET
+
+    try:
+        if json_out:
+            doc = {"schema": "moetrace.analysis", "version": 1, "status": "unusable", "audit_exit_code": 2,
+                   "error": message}
+            with open(json_out, "w") as fh:
+                fh.write(json.dumps(doc, indent=2) + "\n")
+        if markdown:
+            with open(markdown, "w") as fh:
+                fh.write(f"# moetrace audit: UNUSABLE (exit 2)\n\n{message}\n")
+        if junit:
+            root = ET.Element("testsuites", name="moetrace", tests="1", failures="0", errors="1")
+            suite = ET.SubElement(root, "testsuite", name="moetrace", tests="1", failures="0", errors="1")
+            case = ET.SubElement(suite, "testcase", classname="moetrace", name="trace is usable")
+            ET.SubElement(case, "error", message=message, type="unusable")
+            ET.ElementTree(root).write(junit, encoding="unicode", xml_declaration=True)
+    except OSError:
+        pass  # the one-line error about the trace is what matters here
 
 
 @main.command("analyze")
@@ -410,11 +439,19 @@ def audit_cmd(trace, index_path, checkpoint, as_json, json_out, markdown, junit,
             raise MoetraceError("audit --launch: give --index FILE or --checkpoint CKPT to compare against")
         trace, traffic_problem = _launch_for_audit(launch_cmd, out, run_id, index_path, checkpoint, requests,
                                                    prompt_tokens, replays, max_tokens, base_url, ready_timeout,
-                                                   hook_config, sglang_version, quiet=as_json)
+                                                   hook_config, sglang_version, quiet=as_json,
+                                                   json_out=json_out, markdown=markdown, junit=junit)
     elif not trace:
         raise MoetraceError("audit: give a TRACE folder (OUT/<run_id>) or --launch CMD")
-    rep = _run_analysis("audit", trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows,
-                        json_out)
+    try:
+        rep = _run_analysis("audit", trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines,
+                            max_rows, json_out)
+    except MoetraceError as err:
+        if traffic_problem:  # say why first: the empty trace is only the consequence
+            msg = f"audit --launch: {traffic_problem}; then: {err}"
+            _write_unusable_reports(msg, json_out, markdown, junit)
+            raise MoetraceError(msg) from None
+        raise
     code = rep.exit_code
     if traffic_problem and code == 0:
         code = 2  # a trace of traffic that did not happen proves nothing
@@ -427,7 +464,8 @@ def audit_cmd(trace, index_path, checkpoint, as_json, json_out, markdown, junit,
 
 
 def _launch_for_audit(launch_cmd, out, run_id, index_path, checkpoint, requests, prompt_tokens, replays,
-                      max_tokens, base_url, ready_timeout, hook_config, sglang_version, quiet):
+                      max_tokens, base_url, ready_timeout, hook_config, sglang_version, quiet,
+                      json_out=None, markdown=None, junit=None):
 
     from moetrace import nightly
 
@@ -446,8 +484,12 @@ def _launch_for_audit(launch_cmd, out, run_id, index_path, checkpoint, requests,
     traffic = nightly.Traffic(requests=requests, prompt_tokens=prompt_tokens, replays=replays, max_tokens=max_tokens,
                               ready_timeout_s=ready_timeout)
     echo = (lambda m: click.echo(m, err=True)) if not quiet else (lambda m: None)
-    run_dir, server_code, res = nightly.launch_and_drive(launch_cmd, config, traffic, base_url, echo=echo,
-                                                         sglang_version=sglang_version)
+    try:
+        run_dir, server_code, res = nightly.launch_and_drive(launch_cmd, config, traffic, base_url, echo=echo,
+                                                             sglang_version=sglang_version)
+    except MoetraceError as err:
+        _write_unusable_reports(f"audit --launch: {err}", json_out, markdown, junit)
+        raise
     problem = None
     if not res.ok:
         problem = res.error or "traffic did not complete"

@@ -51,9 +51,16 @@ def prompt(i: int, words: int) -> str:
     return " ".join(WORDS[(i * 7 + j * (i + 3) + j // n) % n] for j in range(max(1, words)))
 
 
+def _is_emulator(cmd: list[str]) -> bool:
+    return "serve" in cmd and any(t.endswith("moetrace") or t == "moetrace.cli" for t in cmd[: cmd.index("serve")])
+
+
 def base_url_from(cmd: list[str], explicit: str | None) -> str:
     if explicit:
         return explicit.rstrip("/")
+    if _is_emulator(cmd) and not any(t == "--port" or t.startswith("--port=") for t in cmd):
+        raise MoetraceError("--launch: `moetrace serve` picks a random port without --port; give it --port N "
+                            "(or pass --base-url)")
     host, port = "127.0.0.1", "30000"  # SGLang's defaults
     for i, tok in enumerate(cmd):
         for flag, setter in (("--port", "port"), ("--host", "host")):
@@ -91,7 +98,7 @@ def drive(base_url: str, traffic: Traffic, server_alive: Callable[[], bool], ech
     t0 = time.monotonic()
     while True:
         if not server_alive():
-            res.error = "the server exited before it became healthy"
+            res.error = f"the server exited before {base_url}/health answered"
             return res
         try:
             if _get(f"{base_url}/health", timeout=5) == 200:
@@ -99,7 +106,8 @@ def drive(base_url: str, traffic: Traffic, server_alive: Callable[[], bool], ech
         except (urllib.error.URLError, OSError, ValueError):
             pass
         if time.monotonic() - t0 > traffic.ready_timeout_s:
-            res.error = f"no healthy answer from {base_url}/health within {traffic.ready_timeout_s:.0f} s"
+            res.error = (f"the server never answered {base_url}/health within {traffic.ready_timeout_s:.0f} s "
+                         "(--ready-timeout; is --port/--base-url right?)")
             return res
         time.sleep(0.5)
     res.seconds_to_ready = round(time.monotonic() - t0, 2)

@@ -114,6 +114,14 @@ def test_cli_index_json_and_cache(ckpt, tmp_path, monkeypatch):
     assert json.loads(r2.output)["reused_cache"] is True
     r3 = CliRunner().invoke(main, ["index", str(ckpt), "--tp", "2", "-o", str(out)])
     assert r3.exit_code == 0 and "reused cached index" in r3.output
+    # readable by others under the usual umask: the server may run as another user
+    mask = os.umask(0o022)
+    try:
+        r4 = CliRunner().invoke(main, ["index", str(ckpt), "--tp", "2", "-o", str(tmp_path / "i2.parquet"), "--no-cache"])
+        assert r4.exit_code == 0
+        assert (tmp_path / "i2.parquet").stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(mask)
 
 
 @pytest.mark.parametrize(

@@ -183,12 +183,23 @@ def parse_layers(text: str | None) -> list[int] | None:
 # ------------------------------------------------------------- write / read
 
 
+def _temp_beside(path: Path) -> str:
+    """A temp file next to `path` with the mode a plain open() would give it:
+    mkstemp makes 0600, and a server running as another user must still be
+    able to read the index for online verification."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.fchmod(fd, 0o666 & ~mask)
+    os.close(fd)
+    return tmp
+
+
 def write_index(table: pa.Table, path: str | os.PathLike) -> Path:
     """Atomic write: a temp file beside the target, renamed when complete."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = _temp_beside(path)
     try:
         pq.write_table(table, tmp, compression="zstd")
         os.replace(tmp, path)
@@ -277,8 +288,7 @@ def cached_index(
 def copy_index(src: Path, dst: str | os.PathLike) -> Path:
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
+    tmp = _temp_beside(dst)
     try:
         shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
