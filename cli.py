@@ -294,7 +294,7 @@ def _analysis_options(f, trace_required: bool = True):
 
 
 def _run_analysis(command, trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows,
-                  json_out=None):
+                  json_out=None, extra_doc=None):
     from moetrace.analysis import render
     from moetrace.analysis.report import analyze
 
@@ -304,6 +304,8 @@ def _run_analysis(command, trace, index_path, checkpoint, as_json, markdown, jun
         if command == "audit":  # CI still gets a failing test case and a JSON verdict
             _write_unusable_reports(str(err), json_out, markdown, junit)
         raise
+    if extra_doc:
+        rep.doc.update(extra_doc)
     outputs = []
     try:
         if json_out:
@@ -431,13 +433,13 @@ def audit_cmd(trace, index_path, checkpoint, as_json, json_out, markdown, junit,
       moetrace audit --launch "python -m sglang.launch_server --model-path M --tp 2 --port 30000" \\
           --checkpoint M --requests 3 --prompt-tokens 16384 --out /nightly --junit junit.xml --json-out audit.json
     """
-    traffic_problem = None
+    traffic_problem, launch_doc = None, None
     if launch_cmd:
         if trace:
             raise MoetraceError("audit: give either TRACE folders or --launch, not both")
         if not (index_path or checkpoint):
             raise MoetraceError("audit --launch: give --index FILE or --checkpoint CKPT to compare against")
-        trace, traffic_problem = _launch_for_audit(launch_cmd, out, run_id, index_path, checkpoint, requests,
+        trace, traffic_problem, launch_doc = _launch_for_audit(launch_cmd, out, run_id, index_path, checkpoint, requests,
                                                    prompt_tokens, replays, max_tokens, base_url, ready_timeout,
                                                    hook_config, sglang_version, quiet=as_json,
                                                    json_out=json_out, markdown=markdown, junit=junit)
@@ -445,7 +447,7 @@ def audit_cmd(trace, index_path, checkpoint, as_json, json_out, markdown, junit,
         raise MoetraceError("audit: give a TRACE folder (OUT/<run_id>) or --launch CMD")
     try:
         rep = _run_analysis("audit", trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines,
-                            max_rows, json_out)
+                            max_rows, json_out, extra_doc=launch_doc)
     except MoetraceError as err:
         if traffic_problem:  # say why first: the empty trace is only the consequence
             msg = f"audit --launch: {traffic_problem}; then: {err}"
@@ -494,7 +496,11 @@ def _launch_for_audit(launch_cmd, out, run_id, index_path, checkpoint, requests,
     if not res.ok:
         problem = res.error or "traffic did not complete"
     echo(f"moetrace: server exited with {server_code}; {res.sent} requests answered, {res.failed} failed")
-    return (run_dir,), problem
+    launch_doc = {"launch": {"command": launch_cmd, "run_dir": run_dir, "server_exit_code": server_code,
+                             "requests_answered": res.sent, "requests_failed": res.failed,
+                             "seconds_to_healthy": res.seconds_to_ready, "latencies_s": res.latencies_s,
+                             "traffic_problem": problem}}
+    return (run_dir,), problem, launch_doc
 
 
 @main.command("diff")

@@ -121,6 +121,8 @@ def test_audit_launch_unfenced_exits_1(ckpt, tmp_path):
     assert "holds expert 2 (E+2)" in proc.stdout and "audit: exit 1 (divergence found)" in proc.stdout
     doc = json.loads((tmp_path / "a.json").read_text())
     assert doc["audit_exit_code"] == 1
+    launch = doc["launch"]  # the traffic that produced the trace travels with the verdict
+    assert launch["requests_answered"] == 2 and launch["requests_failed"] == 0 and launch["server_exit_code"] == 0
     assert "<failure" in (tmp_path / "j.xml").read_text()
     run = json.loads((tmp_path / "traces" / "nightly" / "_run.json").read_text())
     assert run["complete"] and run["server_exit_code"] == 0
