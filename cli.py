@@ -22,7 +22,7 @@ class _Group(click.Group):
             sys.exit(err.exit_code)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="moetrace")
 def main() -> None:
     """Trace MoE expert weights from checkpoint to GPU and find where they diverge."""
