@@ -20,6 +20,11 @@ class _Group(click.Group):
         except MoetraceError as err:
             click.echo(f"moetrace: error: {err}", err=True)
             sys.exit(err.exit_code)
+        except click.UsageError as err:  # bad options of a command: one line too
+            where = err.ctx.command_path if err.ctx is not None else "moetrace"
+            msg = " ".join(err.format_message().split())
+            click.echo(f"moetrace: error: {msg} (see '{where} --help')", err=True)
+            sys.exit(err.exit_code)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
