@@ -286,8 +286,8 @@ def _analysis_options(f, trace_required: bool = True):
                      help="Also write a Markdown report."),
         click.option("--junit", type=click.Path(dir_okay=False), default=None, metavar="FILE",
                      help="Also write JUnit XML: one test case per (run, rank, layer, source)."),
-        click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
-                     help="Also write a PNG: per rank, a layer x expert grid coloured by verdict."),
+        click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE.png|.svg|.pdf",
+                     help="Also write a picture: per rank, a layer x expert grid coloured by verdict."),
         click.option("--max-lines", type=click.IntRange(min=1), default=20, show_default=True,
                      help="Summary lines shown in the terminal."),
         click.option("--max-rows", type=click.IntRange(min=0), default=1000, show_default=True,
@@ -304,6 +304,10 @@ def _run_analysis(command, trace, index_path, checkpoint, as_json, markdown, jun
     from moetrace.analysis.report import analyze
 
     try:
+        if plot:  # a bad --plot name fails before any work
+            from moetrace.analysis.plot import plot_format
+
+            plot_format(plot)
         rep = analyze(list(trace), index=index_path, checkpoint=checkpoint, max_rows=max_rows)
     except MoetraceError as err:
         if command == "audit":  # CI still gets a failing test case and a JSON verdict

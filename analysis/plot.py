@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from moetrace.analysis.report import Report
@@ -39,13 +41,30 @@ def _stale_color(k: int, kmax: int):
     return cmap(t)
 
 
+FORMATS = ("png", "svg", "pdf")
+
+
+def plot_format(path) -> str:
+    """The format a --plot path asks for, from its extension (case-insensitive): png, svg or pdf.
+    Anything else is a MoetraceError, raised before any work is done."""
+    path = os.fspath(path)
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    if ext not in FORMATS:
+        raise MoetraceError(f"--plot {path}: expected a file name ending in .png, .svg or .pdf")
+    return ext
+
+
 def plot(rep: Report, path: str, run: int | str = 0) -> str:
-    """Write a PNG: one panel per rank; rows = layers, columns = experts, colour = worst verdict.
+    """Write the grid to exactly ``path`` (.png, .svg or .pdf): one panel per rank; rows =
+    layers, columns = experts, colour = worst verdict.
 
     A cell is the worst verdict over every step and tensor kind of that
     (rank, layer, expert); stale cells are orange for E+k and blue for E-k,
     with k printed in the cell when the grid is small enough to read.
+    Every failure is a one-line MoetraceError naming the path.
     """
+    path = os.fspath(path)
+    fmt = plot_format(path)
     try:
         import matplotlib
 
@@ -57,8 +76,28 @@ def plot(rep: Report, path: str, run: int | str = 0) -> str:
         raise MoetraceError("--plot needs matplotlib: pip install 'moetrace[plot]'") from None
     g = rep.grid
     if g is None or not g.runs:
-        raise MoetraceError("nothing to plot: the trace has no runs")
+        raise MoetraceError(f"--plot {path}: nothing to plot, the trace has no runs")
+    if isinstance(run, str) and run not in g.runs:
+        raise MoetraceError(f"--plot {path}: no run {run!r} in the report (runs: {', '.join(g.runs)})")
     ri = g.runs.index(run) if isinstance(run, str) else int(run)
+    fig = None
+    try:
+        fig = plt.figure(layout="constrained")
+        _draw(fig, to_rgba, Patch, rep, g, ri)
+        fig.savefig(path, format=fmt, dpi=110)
+    except MoetraceError:
+        raise
+    except Exception as err:  # matplotlib or the filesystem (e.g. an unwritable folder): one line, naming the path
+        why = " ".join(str(err).split())
+        raise MoetraceError(f"--plot {path}: cannot write the plot: {type(err).__name__}"
+                            + (f": {why}" if why else "")) from None
+    finally:
+        if fig is not None:
+            plt.close(fig)
+    return path
+
+
+def _draw(fig, to_rgba, Patch, rep: Report, g, ri: int) -> None:
     V, K = g.verdict[ri], g.k[ri]
     nr, nl, ne = V.shape
     kmax = int(np.abs(K[V == STALE]).max()) if (V == STALE).any() else 1
@@ -72,7 +111,8 @@ def plot(rep: Report, path: str, run: int | str = 0) -> str:
     cell = 0.16 if ne > 64 else 0.42
     width = min(22.0, max(8.0, ne * cell + 1.5))
     panel = min(6.0, max(1.4, nl * cell * 0.8 + 0.9))
-    fig, axes = plt.subplots(nr, 1, figsize=(width, panel * nr + 2.3), squeeze=False, layout="constrained")
+    fig.set_size_inches(width, panel * nr + 2.3)
+    axes = fig.subplots(nr, 1, squeeze=False)
     annotate = ne <= 64 and nl <= 48
     for r in range(nr):
         ax = axes[r, 0]
@@ -119,9 +159,6 @@ def plot(rep: Report, path: str, run: int | str = 0) -> str:
     fig.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=8.5, frameon=False,
                title=f"cell = worst verdict over {g.steps} step(s) and every tensor kind of that (rank, layer, expert)",
                title_fontsize=8.5)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def _ticks(n: int) -> list[int]:

@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import pandas as pd
 
-from moetrace.analysis.report import Report, fmt_int
+from moetrace.analysis.report import Report, _load_label, fmt_int, steps_text
 from moetrace.analysis.inputs import SOURCES
 
 STATUS_WORD = {"match": "ALL MATCH", "divergent": "DIVERGENT", "incomplete": "INCOMPLETE"}
@@ -40,34 +40,88 @@ def _coverage_line(doc: dict) -> str:
     return (
         f"coverage: {fmt_int(t['loads'])} loads, {fmt_int(t['tensors'])} expected tensors, "
         f"{fmt_int(t['missing'])} missing; manifests: {fmt_int(written)} rows written, {fmt_int(dropped)} dropped, "
-        + ("all finished" if not unfinished else f"{unfinished} not finished")
+        + ("all finished" if not unfinished else f"{fmt_int(unfinished)} not finished")
     )
 
 
+def _multi(doc: dict) -> tuple[bool, bool]:
+    """(multi_source, multi_run) as the report decided them for its summary sentences."""
+    return len({x["source"] for x in doc["loads"]}) > 1, len(doc["runs"]) > 1
+
+
+def grouped_summaries(doc: dict) -> list[dict]:
+    """doc["summaries"] (one per load and tensor kind) with the loads that differ only in step
+    (same run, rank, layer, source, tensor and counts) folded into one entry, placed where the
+    first of them was: {"run_id", "tp_rank", "layer", "source", "tensor", "steps", "loads",
+    "finding", "sentence"}. A group of one keeps the summary's own sentence."""
+    multi_source, multi_run = _multi(doc)
+    groups: dict[tuple, dict] = {}
+    for i, s in enumerate(doc["summaries"]):
+        label = _load_label(s["run_id"], s["tp_rank"], s["layer"], s["step"], s["source"], multi_source, multi_run)
+        if s["sentence"].startswith(label + ": "):
+            finding = s["sentence"][len(label) + 2:]
+            counts = tuple((c["verdict"], c["detail"], c["count"]) for c in s["counts"])
+            key = (s["run_id"], s["tp_rank"], s["layer"], s["source"], s["tensor"], s["total"], counts, finding)
+        else:  # a sentence of another shape: shown as is, never folded
+            finding, key = s["sentence"].split(": ", 1)[-1], ("as is", i)
+        g = groups.get(key)
+        if g is None:
+            groups[key] = {"run_id": s["run_id"], "tp_rank": s["tp_rank"], "layer": s["layer"], "source": s["source"],
+                           "tensor": s["tensor"], "steps": [s["step"]], "loads": 1, "finding": finding,
+                           "sentence": s["sentence"]}
+        else:
+            g["steps"].append(s["step"])
+            g["loads"] += 1
+    out = list(groups.values())
+    for g in out:
+        if g["loads"] > 1:
+            label = _load_label(g["run_id"], g["tp_rank"], g["layer"], g["steps"], g["source"], multi_source, multi_run)
+            g["finding"] += f" ({fmt_int(g['loads'])} loads)"
+            g["sentence"] = f"{label}: {g['finding']}"
+    return out
+
+
+def grouped_missing_loads(doc: dict) -> list[str]:
+    """doc["missing_loads"] as lines, loads that differ only in step folded into one line."""
+    multi_run = _multi(doc)[1]
+    groups: dict[tuple, list[int]] = {}
+    for m in doc["missing_loads"]:
+        groups.setdefault((m["run_id"], m["tp_rank"], m["layer"], m["source"], m["expected"]), []).append(m["step"])
+    out = []
+    for (run_id, rank, layer, source, expected), steps in groups.items():
+        line = f"rank {rank}, layer {layer}, {steps_text(steps)} ({source}): {fmt_int(expected)} entries missing"
+        if len(steps) > 1:
+            line += f" per load ({fmt_int(len(steps))} loads)"
+        out.append(f"{run_id}: {line}" if multi_run else line)
+    return out
+
+
 def to_text(rep: Report, max_lines: int = 20, command: str = "analyze") -> str:
+    """The terminal summary. Run-level causes of an incomplete run come before the per-load
+    lines, and loads that differ only in step share one line ("steps 0-9,12 … (11 loads)")."""
     doc = rep.doc
     out = [f"moetrace {command}: {STATUS_WORD[doc['status']]}"]
     out += ["  " + x for x in _head(doc)]
     out.append(doc["totals"]["sentence"])
     for f in doc["first_divergence"]:
         out.append(f"first divergence: {f['sentence']}")
-    if doc["summaries"]:
-        out.append("summary (per load and tensor kind):")
-        for s in doc["summaries"][:max_lines]:
-            out.append("  " + s["sentence"])
-        if len(doc["summaries"]) > max_lines:
-            out.append(f"  … and {len(doc['summaries']) - max_lines} more (see --json / --markdown)")
-    if doc["missing_loads"]:
-        out.append("loads not captured on every rank:")
-        for m in doc["missing_loads"][:max_lines]:
-            out.append(f"  rank {m['tp_rank']}, layer {m['layer']}, step {m['step']} ({m['source']}): "
-                       f"{fmt_int(m['expected'])} entries missing")
-        if len(doc["missing_loads"]) > max_lines:
-            out.append(f"  … and {len(doc['missing_loads']) - max_lines} more")
-    out.append(_coverage_line(doc))
     if doc["incomplete"]:
         out.append("incomplete:")
         out += ["  " + x for x in doc["incomplete"]]
+    summaries = grouped_summaries(doc)
+    if summaries:
+        out.append("summary (per load and tensor kind):")
+        for s in summaries[:max_lines]:
+            out.append("  " + s["sentence"])
+        if len(summaries) > max_lines:
+            out.append(f"  … and {fmt_int(len(summaries) - max_lines)} more (see --json / --markdown)")
+    missing = grouped_missing_loads(doc)
+    if missing:
+        out.append("loads not captured on every rank:")
+        out += ["  " + x for x in missing[:max_lines]]
+        if len(missing) > max_lines:
+            out.append(f"  … and {fmt_int(len(missing) - max_lines)} more")
+    out.append(_coverage_line(doc))
     if doc["warnings"]:
         out.append("warnings:")
         out += ["  " + x for x in doc["warnings"][:max_lines]]
@@ -91,14 +145,19 @@ def to_markdown(rep: Report) -> str:
     out += ["## Verdicts", "", "| verdict | count |", "|---|---:|"]
     out += [f"| {k} | {fmt_int(v)} |" for k, v in t["by_verdict"].items() if v]
     out.append("")
+    if doc["incomplete"]:
+        out += ["## Incomplete", ""] + [f"- {_md_escape(x)}" for x in doc["incomplete"]] + [""]
     if doc["summaries"]:
         out += ["## Summary per load and tensor kind", "", "| run | step | layer | rank | source | tensor | finding |",
                 "|---|---:|---:|---:|---|---|---|"]
-        for s in doc["summaries"]:
-            finding = s["sentence"].split(": ", 1)[-1]
-            out.append(f"| {_md_escape(s['run_id'])} | {s['step']} | {s['layer']} | {s['tp_rank']} | {s['source']} | "
-                       f"{s['tensor']} | {_md_escape(finding)} |")
+        for s in grouped_summaries(doc):
+            step = steps_text(s["steps"]).split(" ", 1)[1]
+            out.append(f"| {_md_escape(s['run_id'])} | {step} | {s['layer']} | {s['tp_rank']} | {s['source']} | "
+                       f"{s['tensor']} | {_md_escape(s['finding'])} |")
         out.append("")
+    missing = grouped_missing_loads(doc)
+    if missing:
+        out += ["## Loads not captured on every rank", ""] + [f"- {_md_escape(x)}" for x in missing] + [""]
     out += ["## Coverage", "", _coverage_line(doc), ""]
     out += ["| run | rank | finished | rows written | rows read | dropped | hook errors | parts |",
             "|---|---:|---|---:|---:|---:|---:|---:|"]
@@ -110,8 +169,6 @@ def to_markdown(rep: Report) -> str:
         for rk in r["ranks_missing"]:
             out.append(f"| {_md_escape(r['run_id'])} | {rk} | **missing** | | | | | |")
     out.append("")
-    if doc["incomplete"]:
-        out += ["## Incomplete", ""] + [f"- {_md_escape(x)}" for x in doc["incomplete"]] + [""]
     if doc["warnings"]:
         out += ["## Warnings", ""] + [f"- {_md_escape(x)}" for x in doc["warnings"]] + [""]
     if doc["divergent_rows"]:
@@ -145,7 +202,7 @@ def to_junit(rep: Report) -> str:
         for k, r in grp["row"].first().items():
             first_by_case[tuple(int(x) for x in k)] = int(r)
     summ: dict[tuple, list[str]] = {}
-    for s in doc["summaries"]:
+    for s in grouped_summaries(doc):
         k = (d.run_ids.code(s["run_id"]), s["tp_rank"], s["layer"], SOURCES.index(s["source"]))
         summ.setdefault(k, []).append(s["sentence"])
     root = ET.Element("testsuites", name="moetrace")
@@ -179,12 +236,13 @@ def to_junit(rep: Report) -> str:
             if k in first_by_case:
                 row = a.row_doc(first_by_case[k])
                 f = ET.SubElement(tc, "failure", message=row["sentence"], type=row["verdict"])
-                f.text = "\n".join([f"{count_by_case[k]} divergent entries over {cc['loads']} load(s)"] + summ.get(k, []))
+                f.text = "\n".join([f"{fmt_int(count_by_case[k])} divergent entries over {fmt_int(cc['loads'])} load(s)"]
+                                   + summ.get(k, []))
                 counts["failures"] += 1
             elif cc["missing"]:
                 msg = f"{fmt_int(cc['missing'])} of {fmt_int(cc['expected'])} expected entries not captured"
                 if cc.get("missing_loads"):
-                    msg += f" ({cc['missing_loads']} load(s) absent on this rank)"
+                    msg += f" ({fmt_int(cc['missing_loads'])} load(s) absent on this rank)"
                 e = ET.SubElement(tc, "error", message=msg, type="missing")
                 e.text = "\n".join(summ.get(k, []))
                 counts["errors"] += 1

@@ -389,8 +389,18 @@ def _summary_fragment(verdict: int, detail: int, count: int, total: int, tensor:
     return f"{frac} {word}"
 
 
-def _load_label(run_id: str, rank: int, layer: int, step: int, source: str, multi_source: bool, multi_run: bool) -> str:
-    s = f"rank {rank}, layer {layer}, step {step}"
+def steps_text(steps) -> str:
+    """'step 3' for one step, 'steps 0-9,12' for several (an int is one step)."""
+    if isinstance(steps, (int, np.integer)):
+        return f"step {int(steps)}"
+    xs = sorted({int(x) for x in steps})
+    return f"step {xs[0]}" if len(xs) == 1 else f"steps {_ranges(xs)}"
+
+
+def _load_label(run_id: str, rank: int, layer: int, step, source: str, multi_source: bool, multi_run: bool) -> str:
+    """'rank R, layer L, step S' (+ ' (source)' when the trace has several sources, 'run: ' in
+    front when it has several runs); ``step`` may be a list of steps: 'steps 0-9,12'."""
+    s = f"rank {rank}, layer {layer}, {steps_text(step)}"
     if multi_source:
         s += f" ({source})"
     if multi_run:
@@ -484,7 +494,7 @@ def build_report(a: Analysis, inputs: list[str], max_rows: int = MAX_ROWS_DEFAUL
     for p, why in d.skipped_parts:
         warnings.append(f"skipped unreadable part {p}: {why}")
     if d.skipped_parts:
-        incomplete.append(f"{len(d.skipped_parts)} unreadable Parquet part(s) skipped")
+        incomplete.append(f"{fmt_int(len(d.skipped_parts))} unreadable Parquet part(s) skipped")
     oos = int((vv == OUT_OF_SCOPE).sum())
     if oos:
         warnings.append(f"{fmt_int(oos)} rows of layers/ranks the index does not cover were ignored")
@@ -492,7 +502,7 @@ def build_report(a: Analysis, inputs: list[str], max_rows: int = MAX_ROWS_DEFAUL
         incomplete.append(f"{fmt_int(missing_in_loads)} expected entries not captured in their loads")
     if len(a.missing_loads):
         incomplete.append(
-            f"{len(a.missing_loads)} load(s) captured on some ranks but not others ({fmt_int(missing_loads_entries)} entries)"
+            f"{fmt_int(len(a.missing_loads))} load(s) captured on some ranks but not others ({fmt_int(missing_loads_entries)} entries)"
         )
     dups = int(L["duplicates"].clip(lower=0).sum()) if len(L) else 0
     if dups:
@@ -560,7 +570,8 @@ def build_report(a: Analysis, inputs: list[str], max_rows: int = MAX_ROWS_DEFAUL
     ]
 
     # ---- totals sentence
-    sentence = f"{fmt_int(n_match)}/{fmt_int(total)} tensors match across {steps} step{'s' if steps != 1 else ''}, {len(ranks)} rank{'s' if len(ranks) != 1 else ''}"
+    sentence = (f"{fmt_int(n_match)}/{fmt_int(total)} tensors match across {fmt_int(steps)} step{'s' if steps != 1 else ''}, "
+                f"{fmt_int(len(ranks))} rank{'s' if len(ranks) != 1 else ''}")
     extra = [f"{fmt_int(by_verdict[VERDICTS[i]])} {VERDICTS[i].replace('_', ' ')}" for i in range(1, len(VERDICTS))
              if by_verdict[VERDICTS[i]]]
     if extra:
@@ -734,16 +745,42 @@ def _grid(a: Analysis, drows: np.ndarray) -> Grid | None:
 # ---------------------------------------------------------------- entry points
 
 
-def check_layout(data: TraceData, idx: IndexData) -> None:
+def check_layout(data: TraceData, idx: IndexData, checkpoint: str | None = None) -> None:
+    """The index must be for the trace's TP/EP layout and checkpoint. ``checkpoint``: the
+    --checkpoint folder the index was built from, named in the message instead of the cache file."""
     for run in data.runs:
         if run.tp_size != idx.tp_size or run.ep_size != idx.ep_size:
+            what = f"the index of --checkpoint {checkpoint} ({idx.path})" if checkpoint else f"index {idx.path}"
             raise MoetraceError(
-                f"run {run.run_id} is TP{run.tp_size} EP{run.ep_size} but index {idx.path} is for TP{idx.tp_size} EP{idx.ep_size}"
+                f"run {run.run_id} is TP{run.tp_size} EP{run.ep_size} but {what} is for TP{idx.tp_size} EP{idx.ep_size}"
             )
         if run.checkpoint_id and idx.checkpoint_id and run.checkpoint_id != idx.checkpoint_id:
+            if checkpoint:
+                raise MoetraceError(_checkpoint_mismatch(checkpoint, idx.checkpoint_id, run))
             raise MoetraceError(
                 f"run {run.run_id} traced checkpoint {run.checkpoint_id!r} but index {idx.path} is for {idx.checkpoint_id!r}"
             )
+
+
+def _checkpoint_mismatch(checkpoint: str, identity: str, run) -> str:
+    return (f"--checkpoint {checkpoint} is checkpoint {identity}, but trace {run.path} (run {run.run_id}) "
+            f"was captured from checkpoint {run.checkpoint_id}")
+
+
+def check_checkpoint(data: TraceData, checkpoint: str) -> None:
+    """Fail fast, before any index is built: the --checkpoint folder's identity (headers only)
+    must be the checkpoint_id the trace's manifests recorded."""
+    from moetrace.checkpoints.reader import open_checkpoint
+
+    try:
+        identity = open_checkpoint(checkpoint).identity
+    except MoetraceError:
+        raise
+    except Exception as err:
+        raise MoetraceError(f"--checkpoint {checkpoint}: cannot read the checkpoint: {type(err).__name__}: {err}") from None
+    for run in data.runs:
+        if run.checkpoint_id and run.checkpoint_id != identity:
+            raise MoetraceError(_checkpoint_mismatch(checkpoint, identity, run))
 
 
 def resolve_index(data: TraceData, index: str | None, checkpoint: str | None) -> str:
@@ -761,6 +798,7 @@ def resolve_index(data: TraceData, index: str | None, checkpoint: str | None) ->
     if len(layouts) != 1:
         raise MoetraceError(f"runs use several TP/EP layouts {sorted(layouts)}; analyze them separately")
     (tp, ep), = layouts
+    check_checkpoint(data, checkpoint)
     got = cached_index(checkpoint, tp, ep)
     return str(got[0] if isinstance(got, tuple) else got)
 
@@ -776,7 +814,7 @@ def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | No
         raise MoetraceError(f"trace {', '.join(paths)} holds no rows: nothing was captured{why}")
     index_path = resolve_index(data, index, checkpoint)
     idx = read_index(index_path, data.tensors, data.dtypes)
-    check_layout(data, idx)
+    check_layout(data, idx, checkpoint=None if index else checkpoint)
     a = Analysis(data, idx, index_path)
     rep = build_report(a, list(paths), max_rows=max_rows)
     rep.analysis = a
