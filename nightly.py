@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import signal
 import threading
 import time
 import urllib.error
@@ -155,7 +154,7 @@ def launch_and_drive(server_cmd: str | list[str], config: dict, traffic: Traffic
             result.error = f"traffic driver crashed: {err}"
         finally:
             # Same path as a Ctrl-C: ranks close their traces, then SIGTERM.
-            launcher._signals.append(signal.SIGTERM)
+            launcher.stop("traffic done")
 
     thread = threading.Thread(target=worker, name="moetrace-traffic", daemon=True)
     thread.start()

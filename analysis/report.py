@@ -476,6 +476,11 @@ def build_report(a: Analysis, inputs: list[str], max_rows: int = MAX_ROWS_DEFAUL
             warnings.append(f"run {run.run_id}: manifests record no checkpoint_id, so the index's checkpoint cannot be confirmed")
         for r in run.missing_ranks:
             incomplete.append(f"run {run.run_id}: rank {r} missing (no rank={r} folder)")
+        rj = run.run_json or {}
+        code = rj.get("server_exit_code")
+        if rj.get("finished") and code not in (None, 0) and not rj.get("stop_reason"):
+            # the launcher did not stop it: the server died, whatever the ranks wrote
+            incomplete.append(f"run {run.run_id}: the server exited with code {code} on its own (_run.json)")
         # layers the index (and sampling) expect that no rank of the run captured
         lay_idx = set(np.unique(idx.layer).tolist())
         rk0 = next(iter(run.ranks.values()), None)

@@ -9,8 +9,11 @@ shutdown SIGKILLs its workers, so without this step no rank could finish its
 manifest. A second signal kills the server's process group.
 
 ``OUT/<run_id>/_run.json`` records the command, versions, start/end, the
-server's exit code and a per-rank summary; ``complete`` is true only when
-every expected rank closed cleanly with nothing dropped and no hook errors.
+server's exit code, why it was stopped and a per-rank summary; ``complete`` is
+true only when every expected rank closed cleanly with rows written, nothing
+dropped and no hook errors, and the server did not exit non-zero on its own;
+``problems`` says why not. ``Launcher.stop(reason)`` (any thread) stops the run
+the way a first SIGTERM does. The launcher ends with one summary line.
 """
 
 from __future__ import annotations
@@ -80,11 +83,21 @@ def build_command(cmd: Sequence[str], spec: list[dict], flags: Sequence[str]) ->
     return out
 
 
+def effective_ranks(manifests: dict[int, dict], expected_ranks: int | None) -> int | None:
+    """The rank count to expect: the server command's --tp, else the tp_size the
+    manifests agree on, else unknown."""
+    if expected_ranks is not None:
+        return expected_ranks
+    tp = _common(manifests, "tp_size")
+    return tp if isinstance(tp, int) and tp > 0 else None
+
+
 def rank_summary(manifests: dict[int, dict], expected_ranks: int | None) -> list[dict]:
     """One entry per expected rank (or per rank found when the count is unknown);
     a rank without a manifest is listed with present: false."""
-    keys = ("finished", "close_reason", "disabled", "rows_written", "rows_dropped", "hook_errors", "sink_errors")
-    ranks = range(expected_ranks) if expected_ranks is not None else sorted(manifests)
+    keys = ("finished", "close_reason", "disabled", "rows_written", "rows_dropped", "hook_errors", "sink_errors", "online")
+    n = effective_ranks(manifests, expected_ranks)
+    ranks = sorted(set(range(n)) | set(manifests)) if n is not None else sorted(manifests)
     return [{"tp_rank": r, "present": r in manifests, **{k: manifests.get(r, {}).get(k) for k in keys}} for r in ranks]
 
 
@@ -93,13 +106,90 @@ def _common(manifests: dict[int, dict], key: str):
     return next(iter(vals)) if len(vals) == 1 else None
 
 
-def is_complete(manifests: dict[int, dict], expected_ranks: int | None) -> bool:
-    if not manifests or (expected_ranks is not None and sorted(manifests) != list(range(expected_ranks))):
-        return False
-    return all(
-        m.get("finished") and not m.get("disabled") and not m.get("rows_dropped") and not m.get("hook_errors")
-        for m in manifests.values()
-    )
+def _ids(ranks) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def run_problems(manifests: dict[int, dict], expected_ranks: int | None, *, server_started: bool = True,
+                 server_exit_code: int | None = None, stop_requested: bool = False) -> list[str]:
+    """Why a run is not a complete trace, one sentence per reason (empty: complete).
+
+    A rank that wrote 0 rows is a problem even when its sampling legitimately
+    kept nothing: an audit of such a run would check nothing. A non-zero server
+    exit counts only when nobody asked the server to stop.
+    """
+    problems: list[str] = []
+    if not server_started:
+        problems.append("the server did not start")
+    if server_exit_code is not None and server_exit_code != 0 and not stop_requested:
+        how = f"signal {-server_exit_code}" if server_exit_code < 0 else f"code {server_exit_code}"
+        problems.append(f"the server exited on its own with {how} (start-up failure or crash; see its log)")
+    if not manifests:
+        problems.append("no rank wrote a manifest (the hooks never started: check the server log for 'moetrace')")
+        return problems
+    n = effective_ranks(manifests, expected_ranks)
+    if n is not None:
+        missing = [r for r in range(n) if r not in manifests]
+        extra = [r for r in manifests if r >= n]
+        if missing:
+            problems.append(f"{n - len(missing)}/{n} ranks reported (no manifest from rank {_ids(missing)})")
+        if extra:
+            problems.append(f"manifests from unexpected rank {_ids(extra)} (expected ranks 0-{n - 1})")
+    for r, m in manifests.items():
+        if m.get("disabled"):
+            problems.append(f"rank {r} disabled tracing ({m.get('disabled_reason') or 'no reason recorded'})")
+        elif not m.get("finished"):
+            problems.append(f"rank {r} did not finish its trace (finished: false)")
+        if m.get("rows_dropped"):
+            problems.append(f"rank {r} dropped {m['rows_dropped']:,} rows ({_drops(m)})")
+        if m.get("hook_errors"):
+            problems.append(f"rank {r} had {m['hook_errors']:,} hook errors")
+        if not m.get("rows_written"):
+            problems.append(f"rank {r} wrote 0 rows (nothing captured: check the sampling filters and that traffic reached the server)")
+    return problems
+
+
+def _drops(m: dict) -> str:
+    drops = m.get("drops") or {}
+    return ", ".join(f"{k}: {v:,}" for k, v in sorted(drops.items()) if v) or "reason not recorded"
+
+
+def is_complete(manifests: dict[int, dict], expected_ranks: int | None, **server) -> bool:
+    """True when run_problems finds nothing (keyword args: see run_problems)."""
+    return not run_problems(manifests, expected_ranks, **server)
+
+
+def summary_line(run_id: str, manifests: dict[int, dict], expected_ranks: int | None, problems: list[str]) -> str:
+    """The launcher's one-line end-of-run report."""
+    if problems:
+        return f"moetrace: run {run_id} INCOMPLETE: " + "; ".join(problems)
+    n = effective_ranks(manifests, expected_ranks) or len(manifests)
+    finished = sum(1 for m in manifests.values() if m.get("finished"))
+
+    def total(key):
+        return sum(int(m.get(key) or 0) for m in manifests.values())
+
+    line = (f"moetrace: run {run_id} complete: {finished}/{n} ranks finished, {total('rows_written'):,} rows, "
+            f"{total('rows_dropped'):,} dropped, {total('hook_errors'):,} hook errors")
+    online = [m["online"] for m in manifests.values() if isinstance(m.get("online"), dict)]
+    match = sum(int(o.get("match") or 0) for o in online)
+    mismatch = sum(int(o.get("mismatch") or 0) for o in online)
+    unchecked = sum(int(o.get("unchecked") or 0) for o in online)
+    indexed = any((m.get("config") or {}).get("index") for m in manifests.values())
+    if online and (match or mismatch or indexed):
+        line += f"; online check: {match:,} match, {mismatch:,} mismatch"
+        if unchecked:
+            line += f", {unchecked:,} unchecked"
+    return line
+
+
+class _Stop(int):
+    """A stop request from Launcher.stop: SIGTERM's number, plus the caller's reason."""
+
+    def __new__(cls, reason: str):
+        obj = super().__new__(cls, int(signal.SIGTERM))
+        obj.reason = reason
+        return obj
 
 
 class Launcher:
@@ -131,7 +221,8 @@ class Launcher:
         self.fs, base = storage.open_fs(self.config["out"])
         self.run_dir = storage.join(base, run_id)
         self.proc: subprocess.Popen | None = None
-        self._signals: list[int] = []
+        self._signals: list[int] = []  # signal numbers (and _Stop requests), in arrival order
+        self._stop_requested_at: float | None = None  # monotonic time the first stop was acted on
         self.run_manifest = {
             "kind": "run",
             "schema_version": MANIFEST_SCHEMA_VERSION,
@@ -156,9 +247,11 @@ class Launcher:
             "server_pid": None,
             "server_exit_code": None,
             "stop_signal": None,
+            "stop_reason": None,
             "ranks_closed_before_stop": None,
             "ranks": [],
             "complete": False,
+            "problems": [],
         }
 
     def _write(self) -> None:
@@ -167,6 +260,15 @@ class Launcher:
 
     def _on_signal(self, signum, frame) -> None:
         self._signals.append(signum)
+
+    def stop(self, reason: str) -> None:
+        """Ask the run loop to close the traces, then stop the server, exactly as a
+        first SIGTERM does, but reported as ``moetrace: <reason>: ...`` and recorded
+        as ``stop_reason`` in ``_run.json``. Safe to call from any thread, before or
+        during ``run()``; returns at once. A stop never escalates: once a stop (or a
+        signal) is being handled, a later ``stop`` does nothing (a second outside
+        signal still kills the server's process group)."""
+        self._signals.append(_Stop(str(reason)))  # list.append is atomic; the run loop polls
 
     def request_close(self, timeout: float) -> bool:
         """Ask every rank to close its trace; wait until their manifests say finished."""
@@ -208,11 +310,14 @@ class Launcher:
                     sig = self._signals[forwarded]
                     forwarded += 1
                     if forwarded == 1:
-                        self.run_manifest["stop_signal"] = signal.Signals(sig).name
-                        self.echo(f"moetrace: {signal.Signals(sig).name}: closing traces, then stopping the server")
+                        name = signal.Signals(int(sig)).name
+                        reason = sig.reason if isinstance(sig, _Stop) else name
+                        self._stop_requested_at = time.monotonic()
+                        self.run_manifest.update(stop_signal=name, stop_reason=reason)
+                        self.echo(f"moetrace: {reason}: closing traces, then stopping the server")
                         self.run_manifest["ranks_closed_before_stop"] = self.request_close(self.close_timeout_s)
-                        self._send(sig)
-                    else:
+                        self._send(int(sig))
+                    elif not isinstance(sig, _Stop):
                         self._kill_group()
                 time.sleep(0.1)
         finally:
@@ -238,24 +343,31 @@ class Launcher:
         if self.proc is not None and self.proc.poll() is None:
             self._kill_group()
             self.proc.wait()
-        manifests = read_manifests(self.config["out"], self.run_id)
+        try:
+            manifests = read_manifests(self.config["out"], self.run_id)
+        except Exception as err:  # an unreadable output must not hide the server's fate
+            manifests = {}
+            self.echo(f"moetrace: warning: cannot read the rank manifests: {err}")
+        exit_code = None if self.proc is None else self.proc.returncode
+        problems = run_problems(manifests, self.expected_ranks, server_started=self.proc is not None,
+                                server_exit_code=exit_code, stop_requested=self._stop_requested_at is not None)
         self.run_manifest.update(
             finished_at=utc_now(),
             finished=True,
-            server_exit_code=None if self.proc is None else self.proc.returncode,
-            tp_size=self.expected_ranks or _common(manifests, "tp_size"),
+            server_exit_code=exit_code,
+            tp_size=effective_ranks(manifests, self.expected_ranks),
             ep_size=_common(manifests, "ep_size"),
             checkpoint_id=self.config.get("checkpoint_id") or _common(manifests, "checkpoint_id"),
             ranks=rank_summary(manifests, self.expected_ranks),
-            complete=is_complete(manifests, self.expected_ranks),
+            complete=not problems,
+            problems=problems,
         )
         try:
             self._write()
         except Exception as err:
             self.echo(f"moetrace: warning: cannot write {RUN_MANIFEST_NAME}: {err}")
         shutil.rmtree(self.control_dir, ignore_errors=True)
-        state = "complete" if self.run_manifest["complete"] else "INCOMPLETE"
-        self.echo(f"moetrace: run {self.run_id} {state}: " + json.dumps(self.run_manifest["ranks"]))
+        self.echo(summary_line(self.run_id, manifests, self.expected_ranks, problems))
 
 
 def launch(cmd: Sequence[str], config: dict, **kwargs) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -228,3 +229,22 @@ def test_right_checkpoint_still_analyzes(two_checkpoints, tmp_path, monkeypatch)
     traced, _, trace = two_checkpoints
     monkeypatch.setenv("MOETRACE_CACHE", str(tmp_path / "cache"))
     assert analyze([trace], checkpoint=str(traced.path)).doc["status"] == "match"
+
+
+
+def test_server_that_died_on_its_own_makes_the_audit_incomplete(tmp_path):
+    """A clean-looking trace from a server that crashed is not a pass."""
+    model = SynthModel(tp_size=2, num_layers=1, num_experts=4, hidden=256, intermediate=512)
+    index = model.write_index(str(tmp_path / "index.parquet"))
+    out = str(tmp_path / "traces")
+    write_scenario(model, out, "crash", [0, 1], None)
+    run_json = Path(out) / "crash" / "_run.json"
+    assert analyze([f"{out}/crash"], index=index).exit_code == 0
+    doc = json.loads(run_json.read_text()) if run_json.exists() else {"run_id": "crash", "tp_size": 2}
+    doc.update(finished=True, server_exit_code=1, stop_reason=None)
+    run_json.write_text(json.dumps(doc))
+    rep = analyze([f"{out}/crash"], index=index)
+    assert rep.exit_code == 2 and any("exited with code 1 on its own" in s for s in rep.doc["incomplete"])
+    doc.update(stop_reason="traffic done", server_exit_code=-15)  # we stopped it: fine
+    run_json.write_text(json.dumps(doc))
+    assert analyze([f"{out}/crash"], index=index).exit_code == 0

@@ -23,7 +23,7 @@ from torch import nn
 
 from moetrace.hooks import sglang_hook
 from moetrace.hooks.kt import GPU_COPIED, transport_orders
-from moetrace.hooks.launch import build_command, expected_tp
+from moetrace.hooks.launch import Launcher, build_command, expected_tp
 from moetrace.hooks.spec import DEFAULT_TARGETS, LEGACY_CUDA_GRAPH_FLAGS, SPLIT_CUDA_GRAPH_FLAGS, cuda_graph_flags, hook_spec
 from moetrace.tracer.sink import read_manifests, read_trace
 
@@ -448,6 +448,10 @@ _FAKE_SERVER = textwrap.dedent(
     if os.environ.get("FAKE_WORKER") is None:
         import subprocess
         kids = [subprocess.Popen([sys.executable] + sys.argv, env=dict(os.environ, FAKE_WORKER=str(r))) for r in range(tp)]
+        if os.environ.get("FAKE_PORT_IN_USE"):  # workers loaded the model, then the HTTP bind fails
+            for k in kids:
+                k.wait()
+            sys.exit(1)
         def stop(*_):
             for k in kids:
                 k.kill()
@@ -463,6 +467,8 @@ _FAKE_SERVER = textwrap.dedent(
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(tp)
     model = th.build_model(ckpt, rank, tp)
     th.load_hook_manager().register_forward_hooks(model, spec)
+    if os.environ.get("FAKE_PORT_IN_USE"):
+        sys.exit(0)  # a clean worker exit: atexit closes the (empty) trace
     while True:
         model(torch.zeros(2))
         time.sleep(0.05)
@@ -504,4 +510,121 @@ def test_launch_runs_server_and_finishes_the_trace(make_ckpt, tmp_path):
     assert all(m["finished"] and m["close_reason"] == "control-file" and m["rank_source"] == "env" for m in ms.values())
     t = read_trace(str(out), "L")
     assert t.num_rows == sum(m["rows_written"] for m in ms.values()) > 0
-    assert "complete" in err
+    assert run["problems"] == [] and run["stop_reason"] == "SIGTERM"
+    assert "moetrace: SIGTERM: closing traces, then stopping the server" in err
+    last = err.strip().splitlines()[-1]
+    assert last == f"moetrace: run L complete: 2/2 ranks finished, {t.num_rows:,} rows, 0 dropped, 0 hook errors", err
+
+
+def _rank(r, **kw):
+    m = {"tp_rank": r, "tp_size": 2, "finished": True, "close_reason": "control-file", "disabled": False,
+         "rows_written": 6528, "rows_dropped": 0, "drops": {}, "hook_errors": 0, "sink_errors": 0,
+         "online": {"match": 6450, "mismatch": 78, "unchecked": 0}, "config": {"index": "/i.parquet"}}
+    return {**m, **kw}
+
+
+def test_run_problems_and_summary_line():
+    from moetrace.hooks.launch import run_problems, summary_line
+
+    good = {0: _rank(0), 1: _rank(1)}
+    assert run_problems(good, 2, server_exit_code=0, stop_requested=True) == []
+    assert summary_line("X", good, 2, []) == ("moetrace: run X complete: 2/2 ranks finished, 13,056 rows, 0 dropped, "
+                                              "0 hook errors; online check: 12,900 match, 156 mismatch")
+    no_index = {r: _rank(r, config={}, online={"match": 0, "mismatch": 0, "unchecked": 6528}) for r in (0, 1)}
+    assert summary_line("X", no_index, None, []).endswith("0 hook errors")  # no index: no online part
+    # A server that dies at start-up (port in use, bad flag): no manifests, non-zero exit on its own.
+    p = run_problems({}, 2, server_exit_code=1, stop_requested=False)
+    assert len(p) == 2 and "code 1" in p[0] and "no rank wrote a manifest" in p[1]
+    assert run_problems({}, None, server_started=False)[0] == "the server did not start"
+    # A non-zero exit after we asked the server to stop is not a problem; on its own it is.
+    assert run_problems(good, 2, server_exit_code=-15, stop_requested=True) == []
+    assert "signal 9" in run_problems(good, 2, server_exit_code=-9)[0]
+    # Fewer ranks than --tp, or than the manifests' tp_size when --tp is unknown.
+    assert run_problems({0: _rank(0)}, 2) == ["1/2 ranks reported (no manifest from rank 1)"]
+    assert run_problems({1: _rank(1)}, None) == ["1/2 ranks reported (no manifest from rank 0)"]
+    assert "unexpected rank 2" in run_problems({**good, 2: _rank(2)}, 2)[0]
+    # 0 rows is incomplete even when sampling kept nothing on purpose.
+    p = run_problems({0: _rank(0), 1: _rank(1, rows_written=0)}, 2)
+    assert len(p) == 1 and p[0].startswith("rank 1 wrote 0 rows")
+    bad = {0: _rank(0, finished=False), 1: _rank(1, disabled=True, disabled_reason="10 hook errors", hook_errors=10,
+                                                  rows_dropped=1234, drops={"queue_full": 1234})}
+    p = run_problems(bad, 2)
+    assert p == ["rank 0 did not finish its trace (finished: false)", "rank 1 disabled tracing (10 hook errors)",
+                 "rank 1 dropped 1,234 rows (queue_full: 1,234)", "rank 1 had 10 hook errors"]
+    assert summary_line("X", bad, 2, p) == "moetrace: run X INCOMPLETE: " + "; ".join(p)
+
+
+def _fake_server(tmp_path):
+    server = tmp_path / "fake_server.py"
+    server.write_text(_FAKE_SERVER.replace("os.path.dirname(os.path.abspath(__file__))", repr(str(Path(__file__).parent))))
+    return server
+
+
+def test_launch_server_that_exits_at_once_is_incomplete(tmp_path):
+    lines: list[str] = []
+    cmd = [sys.executable, "-c", "import sys; print('bad flag', file=sys.stderr); sys.exit(1)", "--tp", "2"]
+    launcher = Launcher(cmd, {"out": str(tmp_path), "run_id": "F"}, sglang_version="0.5.23", echo=lines.append)
+    assert launcher.run() == 1
+    run = json.loads((tmp_path / "F" / "_run.json").read_text())
+    assert run["finished"] and run["complete"] is False and run["server_exit_code"] == 1
+    assert len(run["problems"]) == 2 and "exited on its own with code 1" in run["problems"][0]
+    assert run["stop_signal"] is None and run["stop_reason"] is None
+    assert [(r["tp_rank"], r["present"]) for r in run["ranks"]] == [(0, False), (1, False)]
+    assert lines[-1] == "moetrace: run F INCOMPLETE: " + "; ".join(run["problems"])
+
+
+def test_launch_port_in_use_is_incomplete(make_ckpt, tmp_path, monkeypatch):
+    """The walkthrough's case: both ranks open (and cleanly close) an empty trace,
+    then the server fails to bind its port and exits 1."""
+    monkeypatch.setenv("FAKE_CKPT", str(make_ckpt(**CKPT)))
+    monkeypatch.setenv("FAKE_PORT_IN_USE", "1")
+    lines: list[str] = []
+    cmd = [sys.executable, str(_fake_server(tmp_path)), "--model-path", "m", "--tp", "2"]
+    launcher = Launcher(cmd, {"out": str(tmp_path), "run_id": "P"}, sglang_version="0.5.23", echo=lines.append)
+    assert launcher.run() == 1
+    ms = read_manifests(str(tmp_path), "P")
+    assert sorted(ms) == [0, 1] and all(m["finished"] and m["rows_written"] == 0 for m in ms.values())
+    run = json.loads((tmp_path / "P" / "_run.json").read_text())
+    assert run["complete"] is False and run["server_exit_code"] == 1
+    assert "exited on its own with code 1" in run["problems"][0]
+    assert any(p.startswith("rank 0 wrote 0 rows") for p in run["problems"])
+    assert any(p.startswith("rank 1 wrote 0 rows") for p in run["problems"])
+    assert lines[-1] == "moetrace: run P INCOMPLETE: " + "; ".join(run["problems"])
+
+
+def test_launcher_stop_from_another_thread(make_ckpt, tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.setenv("FAKE_CKPT", str(make_ckpt(**CKPT)))
+    out = tmp_path / "traces"
+    lines: list[str] = []
+    launcher = Launcher([sys.executable, str(_fake_server(tmp_path)), "--model-path", "m", "--tp", "2"], {"out": str(out), "run_id": "S"},
+                        sglang_version="0.5.23", echo=lines.append)
+
+    def traffic():
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            ms = read_manifests(str(out), "S")
+            if len(ms) == 2 and all(m["parts"] for m in ms.values()):
+                break
+            time.sleep(0.2)
+        try:
+            launcher.stop("traffic done")
+            launcher.stop("traffic done")  # a second stop does not escalate to a kill
+        except AttributeError:  # without Launcher.stop: end the run the old way, then fail below
+            launcher._signals.append(signal.SIGTERM)
+
+    thread = threading.Thread(target=traffic, daemon=True)
+    thread.start()
+    assert launcher.run() == 0
+    thread.join(5)
+    run = json.loads((out / "S" / "_run.json").read_text())
+    assert "moetrace: traffic done: closing traces, then stopping the server" in lines
+    assert not any("SIGTERM:" in line for line in lines)
+    assert run["stop_reason"] == "traffic done" and run["stop_signal"] == "SIGTERM"
+    assert run["ranks_closed_before_stop"] is True and run["server_exit_code"] == 0
+    assert run["complete"] is True and run["problems"] == []
+    ms = read_manifests(str(out), "S")
+    assert all(m["close_reason"] == "control-file" for m in ms.values())
+    rows = sum(m["rows_written"] for m in ms.values())
+    assert lines[-1] == f"moetrace: run S complete: 2/2 ranks finished, {rows:,} rows, 0 dropped, 0 hook errors"

@@ -245,3 +245,44 @@ def test_parse_and_config_errors(tmp_path):
     assert TraceConfig.from_dict(cfg.to_dict()) == cfg
     s = Sampling(every_n_steps=3, first_n_steps=7, sources=frozenset({"staged"}))
     assert [st for st in range(10) if s.want("staged", st, 0)] == [0, 3, 6] and not s.want("resident", 0, 0)
+
+
+def test_filter_values_are_validated(tmp_path):
+    """A typo in a filter must not silently change what is traced (docs/capture.md)."""
+    from click.testing import CliRunner
+
+    from moetrace.cli import main
+    from moetrace.tracer.schema import COPY_ORDER_BF16, TENSOR_NAMES
+
+    def refused(cfg):
+        with pytest.raises(MoetraceError) as info:
+            TraceConfig.from_dict({"out": str(tmp_path), **cfg})
+        msg = str(info.value)
+        assert "\n" not in msg
+        return msg
+
+    msg = refused({"tensors": "w13_weight,w2_wieght"})
+    assert msg.startswith("tensors:") and "'w2_wieght'" in msg and "'w2_weight_scale_inv'" in msg
+    assert "w13_weight'," not in msg.split("expected")[0]  # only the bad name is named as unknown
+    assert "'staged'" in refused({"sources": ["resident", "stagd"]}) and "stagd" in refused({"sources": "stagd"})
+    for key in ("layers", "experts"):
+        for bad in ("-1", [-2], "-3-4", "0,-1"):
+            msg = refused({key: bad})
+            assert msg.startswith(f"{key}:") and ">= 0" in msg, msg
+    assert "every_n_steps" in refused({"every_n_steps": 0}) and "every_n_steps" in refused({"every_n_steps": "x"})
+    assert "first_n_steps" in refused({"first_n_steps": "two"})
+    assert "tensors" in refused({"tensors": 5})
+    with pytest.raises(MoetraceError, match="tensors"):
+        Sampling(tensors=frozenset({"w2_weigth"}))
+    # Every real FusedMoE param name (FP8 block, FP8 per-channel, BF16) is accepted.
+    names = sorted(set(TENSOR_NAMES) | set(COPY_ORDER_BF16))
+    cfg = TraceConfig.from_dict({"out": str(tmp_path), "run_id": "a", "tensors": ",".join(names) + ",",
+                                 "sources": " staged ", "experts": 3, "every_n_steps": "2"})
+    assert cfg.sampling.tensors == set(names) and cfg.sampling.sources == {"staged"}
+    assert cfg.sampling.experts == {3} and cfg.sampling.every_n_steps == 2
+    assert TraceConfig.from_dict(cfg.to_dict()) == cfg
+    # The walkthrough's command: hook-spec refuses it (exit 2, one line naming the value).
+    res = CliRunner().invoke(main, ["hook-spec", "--out", str(tmp_path), "--tensors", "w2_wieght"])
+    assert res.exit_code == 2 and "w2_wieght" in res.output and "w2_weight" in res.output
+    res = CliRunner().invoke(main, ["hook-spec", "--out", str(tmp_path), "--layers=-1"])
+    assert res.exit_code == 2 and "layers" in res.output and ">= 0" in res.output

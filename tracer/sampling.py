@@ -8,43 +8,74 @@ policy picks the same entries on every rank.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from moetrace.errors import MoetraceError
+from moetrace.tracer.schema import COPY_ORDER_BF16, TENSOR_NAMES
 
 SOURCES = ("resident", "staged")
+# FusedMoE param names a capture can hold (FP8 block, FP8 per-channel, BF16).
+KNOWN_TENSORS = tuple(dict.fromkeys(TENSOR_NAMES + COPY_ORDER_BF16))
+_ID_OR_RANGE = re.compile(r"^(-?\d+)(?:\s*-\s*(-?\d+))?$")
 
 
 def parse_int_set(value, what: str) -> frozenset[int] | None:
     """None | "all" | "0,2,5-7" | [0, 2, "5-7"] -> frozenset of ints (None = all)."""
     if value is None or value == "all":
         return None
-    items: Iterable = value.split(",") if isinstance(value, str) else value
+    if isinstance(value, str):
+        items: Iterable = value.split(",")
+    elif isinstance(value, (list, tuple, set, frozenset, range)):
+        items = value
+    else:
+        items = [value]  # a lone int (JSON `"layers": 3`); anything else is refused below
     out: set[int] = set()
     for item in items:
-        if isinstance(item, bool):
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
             raise MoetraceError(f"{what}: {item!r} is not an integer or range like 4-7")
         if isinstance(item, int):
             out.add(item)
             continue
-        text = str(item).strip()
+        text = item.strip()
         if not text:
             continue
-        try:
-            if "-" in text:
-                lo, hi = text.split("-", 1)
-                lo_i, hi_i = int(lo), int(hi)
-                if hi_i < lo_i:
-                    raise ValueError
-                out.update(range(lo_i, hi_i + 1))
-            else:
-                out.add(int(text))
-        except ValueError:
-            raise MoetraceError(f"{what}: {text!r} is not an integer or range like 4-7") from None
+        m = _ID_OR_RANGE.match(text)
+        if not m:
+            raise MoetraceError(f"{what}: {text!r} is not an integer or range like 4-7")
+        lo = int(m.group(1))
+        hi = lo if m.group(2) is None else int(m.group(2))
+        if lo < 0 or hi < 0:
+            raise MoetraceError(f"{what}: {text!r}: ids must be >= 0")
+        if hi < lo:
+            raise MoetraceError(f"{what}: {text!r}: range end is below its start (write {hi}-{lo})")
+        out.update(range(lo, hi + 1))
     if any(v < 0 for v in out):
         raise MoetraceError(f"{what}: ids must be >= 0, got {sorted(v for v in out if v < 0)}")
     return frozenset(out)
+
+
+def _names(value, what: str) -> frozenset[str] | None:
+    """None | "a,b" | ["a", "b"] -> frozenset of stripped names (None, "" or []: all)."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in items):
+        raise MoetraceError(f"{what}: {value!r}; expected a list of names or a comma-separated string")
+    names = frozenset(v.strip() for v in items if v.strip())
+    return names or None
+
+
+def _int_or_none(value, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise MoetraceError(f"{what}: {value!r} is not an integer")
+    try:
+        return int(value)
+    except ValueError:
+        raise MoetraceError(f"{what}: {value!r} is not an integer") from None
 
 
 @dataclass(frozen=True)
@@ -66,22 +97,26 @@ class Sampling:
         bad = set(self.sources) - set(SOURCES)
         if bad:
             raise MoetraceError(f"sources: unknown {sorted(bad)}; expected a subset of {list(SOURCES)}")
+        if self.tensors is not None:
+            bad = set(self.tensors) - set(KNOWN_TENSORS)
+            if bad:
+                raise MoetraceError(f"tensors: unknown {sorted(bad)}; expected a subset of {list(KNOWN_TENSORS)}")
+        for what, ids in (("layers", self.layers), ("experts", self.experts)):
+            if ids is not None and any(v < 0 for v in ids):
+                raise MoetraceError(f"{what}: ids must be >= 0, got {sorted(v for v in ids if v < 0)}")
 
     @classmethod
     def from_config(cls, cfg: dict) -> "Sampling":
-        sources = cfg.get("sources")
-        tensors = cfg.get("tensors")
-        if isinstance(sources, str):
-            sources = sources.split(",")
-        if isinstance(tensors, str):
-            tensors = tensors.split(",")
+        tensors = _names(cfg.get("tensors"), "tensors")
+        sources = _names(cfg.get("sources"), "sources")
+        every = _int_or_none(cfg.get("every_n_steps"), "every_n_steps")
         return cls(
             layers=parse_int_set(cfg.get("layers"), "layers"),
             experts=parse_int_set(cfg.get("experts"), "experts"),
-            tensors=frozenset(t.strip() for t in tensors) if tensors else None,
-            sources=frozenset(s.strip() for s in sources) if sources else frozenset(SOURCES),
-            every_n_steps=int(cfg.get("every_n_steps") or 1),
-            first_n_steps=None if cfg.get("first_n_steps") is None else int(cfg["first_n_steps"]),
+            tensors=tensors,
+            sources=sources if sources is not None else frozenset(SOURCES),
+            every_n_steps=1 if every is None else every,
+            first_n_steps=_int_or_none(cfg.get("first_n_steps"), "first_n_steps"),
         )
 
     def to_config(self) -> dict:
