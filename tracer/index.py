@@ -241,13 +241,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOETRACE_CACHE", Path.home() / ".cache" / "moetrace")) / "index"
 
 
-def cache_key(checkpoint: str | os.PathLike, opts: IndexOptions) -> str:
+def cache_key(checkpoint: str | os.PathLike, opts: IndexOptions, identity: str | None = None) -> str:
     """Checkpoint identity (names, dtypes, shapes, offsets) + each file's size and
     mtime (content edits) + every option that changes the rows."""
-    from moetrace.checkpoints.reader import open_checkpoint
+    if identity is None:
+        from moetrace.checkpoints.reader import open_checkpoint
 
-    ckpt = open_checkpoint(checkpoint)
-    h = hashlib.sha256(ckpt.identity.encode())
+        identity = open_checkpoint(checkpoint).identity
+    h = hashlib.sha256(identity.encode())
     root = Path(checkpoint)
     for f in sorted(root.glob("*.safetensors")) + [root / "config.json"]:
         st = f.stat()
@@ -270,10 +271,10 @@ def cached_index(
     Returns (path, reused)."""
     from moetrace.checkpoints.reader import open_checkpoint
 
-    spec = open_checkpoint(checkpoint).spec
-    resolved = tuple(_resolve_layers(spec, layers, checkpoint))
+    ckpt = open_checkpoint(checkpoint)  # headers only; opened once for the key and the layers
+    resolved = tuple(_resolve_layers(ckpt.spec, layers, checkpoint))
     opts = IndexOptions(tp_size, ep_size, resolved, up_first)
-    path = cache_dir() / f"{cache_key(checkpoint, opts)}.parquet"
+    path = cache_dir() / f"{cache_key(checkpoint, opts, ckpt.identity)}.parquet"
     if path.exists():
         try:
             index_metadata(path)
