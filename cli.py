@@ -108,22 +108,23 @@ def index_cmd(checkpoint, tp_size, ep_size, layers, up_first, device, output, no
     import json
     import time
 
-    from moetrace.tracer import index as ix
-
-    wanted = ix.parse_layers(layers)
-    stats = ix.IndexStats()
-    t0 = time.perf_counter()
-    show_bar = not as_json and sys.stderr.isatty()
+    from moetrace.checkpoints import index as ix
+    from moetrace.checkpoints import index_build as ixb
     from moetrace.checkpoints.reader import open_checkpoint
+    from moetrace.schema import parse_ids
 
     spec = open_checkpoint(checkpoint).spec
+    wanted = parse_ids(layers, "--layers", bound=spec.num_layers)
+    stats = ixb.IndexStats()
+    t0 = time.perf_counter()
+    show_bar = not as_json and sys.stderr.isatty()
     n_units = len(wanted if wanted is not None else spec.moe_layers) * tp_size
     with click.progressbar(length=n_units, label="fingerprinting", file=sys.stderr) if show_bar else _NullBar() as bar:
         if no_cache:
-            table = ix.build_index(checkpoint, tp_size, ep_size, wanted, up_first, device, bar.update, stats)
+            table = ixb.build_index(checkpoint, tp_size, ep_size, wanted, up_first, device, bar.update, stats)
             path, reused = ix.write_index(table, output), False
         else:
-            cached, reused = ix.cached_index(checkpoint, tp_size, ep_size, wanted, up_first, device, bar.update, stats)
+            cached, reused = ixb.cached_index(checkpoint, tp_size, ep_size, wanted, up_first, device, bar.update, stats)
             path = ix.copy_index(cached, output)
     meta = ix.index_metadata(path)
     summary = {
@@ -478,14 +479,14 @@ def _launch_for_audit(launch_cmd, out, run_id, index_path, checkpoint, requests,
                       max_tokens, base_url, ready_timeout, hook_config, sglang_version, quiet,
                       json_out=None, markdown=None, junit=None):
 
-    from moetrace import nightly
+    from moetrace.jobs import audit as nightly
 
     config = _json_object(hook_config, "--hook-config") if hook_config else {}
     config["out"] = out
     if run_id:
         config["run_id"] = run_id
     if index_path:
-        from moetrace.tracer.index import index_metadata
+        from moetrace.checkpoints.index import index_metadata
 
         config.setdefault("checkpoint_id", index_metadata(index_path)["checkpoint_id"])
     elif checkpoint:
@@ -555,7 +556,7 @@ def demo_cmd(workdir, device, quick, as_json):
     Example:
       moetrace demo --workdir /tmp/moetrace-demo
     """
-    from moetrace import demo
+    from moetrace.jobs import demo
 
     if device == "cuda":
         import torch
@@ -655,7 +656,7 @@ def selftest_cmd(device, quick, only, workdir, as_json):
     """
     import json
 
-    from moetrace import selftest as st
+    from moetrace.jobs import selftest as st
 
     code, proofs = st.run_selftest(device, quick, workdir, tuple(only) or ("fingerprint", "detector", "throughput"))
     if as_json:

@@ -8,9 +8,9 @@ Public API::
     rep.exit_code    # what `moetrace audit` exits with: 0 match, 1 divergent, 2 incomplete
     render.to_text(rep) / to_markdown(rep) / to_junit(rep) / to_json(rep); plot.plot(rep, "grid.png")
 
-Modules: inputs (discovery, validation, columnar reads), verdicts (per-row
-classification), report (loads, coverage, first divergence, summaries),
-render, plot, diff, synth (synthetic traces for tests and the benchmark).
+Modules, in data-flow order: discovery (runs, manifests), trace and expected
+(columnar reads), verdicts (per row), coverage (loads, missing entries), sentences,
+summaries, grid, report (the document, ``analyze``), render, plot, diff.
 """
 
 from moetrace.analysis.diff import diff

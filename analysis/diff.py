@@ -13,13 +13,15 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from moetrace.analysis.report import Analysis, check_layout, fmt_int, resolve_index
-from moetrace.analysis.inputs import SOURCES, TraceData, pair_to_hex, read_index, read_trace
+from moetrace.analysis.coverage import Analysis
+from moetrace.analysis.expected import read_expected
+from moetrace.analysis.report import check_layout, resolve_index
+from moetrace.analysis.sentences import fmt_int
+from moetrace.analysis.trace import TraceData, pair_to_hex, read_trace
 from moetrace.analysis.verdicts import MATCH, OUT_OF_SCOPE, STALE, VERDICTS, WRONG_RANK
 from moetrace.errors import MoetraceError
+from moetrace.schema import DIFF_SCHEMA, DIFF_SCHEMA_VERSION, SOURCES
 
-DIFF_SCHEMA = "moetrace.diff"
-DIFF_VERSION = 1
 KEY = ["step", "layer", "rank", "source", "expert", "tensor"]
 
 
@@ -32,7 +34,7 @@ def _frame(data: TraceData, tensor_names: list[str], a: Analysis | None) -> pd.D
     df = pd.DataFrame({
         "step": c["step"], "layer": c["layer"], "rank": c["rank"], "source": c["source"], "expert": c["expert"],
         "tensor": remap[c["tensor"]] if data.n else np.zeros(0, np.int64),
-        "transport_order": c["transport_order"], "copy_order": c["copy_order"], "hi": c["hi"], "lo": c["lo"],
+        "transport_position": c["transport_position"], "copy_position": c["copy_position"], "hi": c["hi"], "lo": c["lo"],
     })
     if a is not None:
         df["verdict"] = a.v.verdict
@@ -64,7 +66,7 @@ def diff(run_a: Sequence[str] | str, run_b: Sequence[str] | str, index: str | No
     if index or checkpoint:
         index_path = resolve_index(da, index, checkpoint)
         for d in (da, db):
-            idx = read_index(index_path, d.tensors, d.dtypes)
+            idx = read_expected(index_path, d.tensors, d.dtypes)
             check_layout(d, idx)
             an = Analysis(d, idx, index_path)
             if d is da:
@@ -107,7 +109,7 @@ def diff(run_a: Sequence[str] | str, run_b: Sequence[str] | str, index: str | No
     first = None
     rows = []
     if len(changed):
-        changed = changed.sort_values(["step", "layer", "source", "transport_order_a", "copy_order_a", "rank"])
+        changed = changed.sort_values(["step", "layer", "source", "transport_position_a", "copy_position_a", "rank"])
         for r in changed.head(max_rows).itertuples(index=False):
             doc = {"step": int(r.step), "layer": int(r.layer), "tp_rank": int(r.rank), "source": SOURCES[int(r.source)],
                    "expert": int(r.expert), "tensor": names[int(r.tensor)], "fp_a": pair_to_hex(r.hi_a, r.lo_a),
@@ -127,7 +129,7 @@ def diff(run_a: Sequence[str] | str, run_b: Sequence[str] | str, index: str | No
     if only_a or only_b:
         sentence += f"; {fmt_int(only_a)} only in A, {fmt_int(only_b)} only in B"
     doc = {
-        "schema": DIFF_SCHEMA, "version": DIFF_VERSION,
+        "schema": DIFF_SCHEMA, "version": DIFF_SCHEMA_VERSION,
         "a": {"trace": pa_, "runs": [r.run_id for r in da.runs]},
         "b": {"trace": pb_, "runs": [r.run_id for r in db.runs]},
         "index": index_path,

@@ -7,8 +7,9 @@ import xml.etree.ElementTree as ET
 
 import pandas as pd
 
-from moetrace.analysis.report import Report, _load_label, fmt_int, steps_text
-from moetrace.analysis.inputs import SOURCES
+from moetrace.analysis.report import Report
+from moetrace.analysis.sentences import fmt_int, load_label, row_doc, steps_text
+from moetrace.schema import SOURCES
 
 STATUS_WORD = {"match": "ALL MATCH", "divergent": "DIVERGENT", "incomplete": "INCOMPLETE"}
 
@@ -57,7 +58,7 @@ def grouped_summaries(doc: dict) -> list[dict]:
     multi_source, multi_run = _multi(doc)
     groups: dict[tuple, dict] = {}
     for i, s in enumerate(doc["summaries"]):
-        label = _load_label(s["run_id"], s["tp_rank"], s["layer"], s["step"], s["source"], multi_source, multi_run)
+        label = load_label(s["run_id"], s["tp_rank"], s["layer"], s["step"], s["source"], multi_source, multi_run)
         if s["sentence"].startswith(label + ": "):
             finding = s["sentence"][len(label) + 2:]
             counts = tuple((c["verdict"], c["detail"], c["count"]) for c in s["counts"])
@@ -75,7 +76,7 @@ def grouped_summaries(doc: dict) -> list[dict]:
     out = list(groups.values())
     for g in out:
         if g["loads"] > 1:
-            label = _load_label(g["run_id"], g["tp_rank"], g["layer"], g["steps"], g["source"], multi_source, multi_run)
+            label = load_label(g["run_id"], g["tp_rank"], g["layer"], g["steps"], g["source"], multi_source, multi_run)
             g["finding"] += f" ({fmt_int(g['loads'])} loads)"
             g["sentence"] = f"{label}: {g['finding']}"
     return out
@@ -234,7 +235,7 @@ def to_junit(rep: Report) -> str:
                                name=f"layer{layer}.{SOURCES[source]}")
             counts["tests"] += 1
             if k in first_by_case:
-                row = a.row_doc(first_by_case[k])
+                row = row_doc(a, first_by_case[k])
                 f = ET.SubElement(tc, "failure", message=row["sentence"], type=row["verdict"])
                 f.text = "\n".join([f"{fmt_int(count_by_case[k])} divergent entries over {fmt_int(cc['loads'])} load(s)"]
                                    + summ.get(k, []))

@@ -32,8 +32,9 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from moetrace.analysis.inputs import IndexData, TraceData, fp_bytes_to_pair, read_chunk_fps
-from moetrace.tracer.fingerprint import CHUNK_BYTES, fingerprint
+from moetrace.analysis.expected import IndexData
+from moetrace.analysis.trace import TraceData, digest_pair, read_chunk_digests
+from moetrace.fingerprint import CHUNK_BYTES, fingerprint
 
 # Verdict codes. Ordered roughly by how bad they are to a reader of the plot.
 MATCH, STALE, WRONG_RANK, WRONG_LAYER, WRONG_TENSOR, ZEROS, CONSTANT, TORN, UNKNOWN, UNEXPECTED, MISSING = range(11)
@@ -249,7 +250,7 @@ def _constants(data: TraceData, rows: np.ndarray, out: Verdicts) -> np.ndarray:
     for d, b in pairs.tolist():
         for desc, pat in constant_candidates(data.dtypes.names[d], int(b)):
             fp = constant_fingerprint(pat, int(b))
-            h, l = fp_bytes_to_pair(fp.digest)
+            h, l = digest_pair(fp.digest)
             c_hi.append(h), c_lo.append(l), c_dt.append(d), c_nb.append(b), c_desc.append(desc)
     q, t = fp_join(c["hi"][rows], c["lo"][rows], np.array(c_hi, np.int64), np.array(c_lo, np.int64))
     # a candidate must be of the row's own dtype and size to name its value
@@ -321,7 +322,7 @@ def _torn(data: TraceData, idx: IndexData, rows: np.ndarray, out: Verdicts) -> N
     if len(rows) == 0:
         return
     c = data.cols
-    blobs = read_chunk_fps(data, rows)
+    blobs = read_chunk_digests(data, rows)
     have = np.array([b is not None and len(b) >= 16 for b in blobs], dtype=bool)
     out.no_chunks.update(rows[~have].tolist())
     rows = rows[have]
@@ -335,8 +336,8 @@ def _torn(data: TraceData, idx: IndexData, rows: np.ndarray, out: Verdicts) -> N
     sizes = np.unique(c["nbytes"][rows])
     cand = np.flatnonzero(np.isin(idx.nbytes, sizes) & np.isin(idx.layer, np.unique(c["layer"][rows])))
     s_owner = s_pos = s_hi = s_lo = np.zeros(0, np.int64)
-    if idx.chunk_fps is not None and len(cand):
-        cf = idx.chunk_fps_of(cand)
+    if idx.chunk_digests is not None and len(cand):
+        cf = idx.chunk_digests_of(cand)
         blobs_idx = cf.to_pylist()
         valid = np.array([b is not None for b in blobs_idx], dtype=bool)
         cand = cand[valid]
@@ -347,7 +348,7 @@ def _torn(data: TraceData, idx: IndexData, rows: np.ndarray, out: Verdicts) -> N
     for nb in sizes.tolist():
         zfp = constant_fingerprint(b"\0", int(nb))
         for i in range(zfp.n_chunks):
-            zero_keys.setdefault((i == zfp.n_chunks - 1, int(nb)), fp_bytes_to_pair(zfp.chunk(i)))
+            zero_keys.setdefault((i == zfp.n_chunks - 1, int(nb)), digest_pair(zfp.chunk(i)))
     # join on (chunk fp) then keep equal positions
     qq, ss = fp_join(q_hi, q_lo, s_hi, s_lo)
     ok = q_pos[qq] == s_pos[ss]

@@ -86,9 +86,9 @@ def main() -> None:
             meta = json.load(open(meta_path))
         else:
             t = time.perf_counter()
-            meta = write_bench(work, args.rows, rows_per_part=args.rows_per_part, chunk_fps=args.chunk_fps)
+            meta = write_bench(work, args.rows, rows_per_part=args.rows_per_part, chunk_digests=args.chunk_digests)
             meta["generate_seconds"] = time.perf_counter() - t
-            meta["chunk_fps"] = args.chunk_fps
+            meta["chunk_digests"] = args.chunk_digests
             json.dump(meta, open(meta_path, "w"))
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(meta["trace"]) for f in fs)
         results = {}
@@ -101,7 +101,7 @@ def main() -> None:
             results[mode] = best
         a, f, fc = results["analyze"], results["floor_full"], results["floor_cols"]
         summary = {
-            "rows": a["rows"], "trace_bytes": size, "chunk_fps": meta.get("chunk_fps"),
+            "rows": a["rows"], "trace_bytes": size, "chunk_digests": meta.get("chunk_digests"),
             "generate_seconds": round(meta.get("generate_seconds", 0), 1),
             "analyze_seconds": round(a["seconds"], 2), "analyze_process_seconds": round(a["process_seconds"], 2),
             "analyze_peak_rss_mb": round(a["peak_rss_mb"]),
@@ -115,7 +115,7 @@ def main() -> None:
         if args.json:
             print(json.dumps(summary, indent=1))
         else:
-            print(f"trace: {summary['rows']:,} rows, {size / 1e9:.2f} GB Parquet (chunk_fps={summary['chunk_fps']}), "
+            print(f"trace: {summary['rows']:,} rows, {size / 1e9:.2f} GB Parquet (chunk_digests={summary['chunk_digests']}), "
                   f"{summary['cpus']} CPUs")
             print(f"{'':14}{'seconds':>9}{'peak RSS MB':>13}")
             for k, r in (("floor_full", f), ("floor_cols", fc), ("analyze", a)):

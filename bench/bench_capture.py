@@ -24,7 +24,7 @@ import tempfile
 
 import torch
 
-from moetrace.timing import best_of
+from moetrace.jobs.timing import best_of
 
 from moetrace.tracer.capture import Tracer
 from moetrace.tracer.config import TraceConfig

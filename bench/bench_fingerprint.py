@@ -14,8 +14,8 @@ import json
 
 import torch
 
-from moetrace.timing import best_of
-from moetrace.tracer import fingerprint as F
+from moetrace.jobs.timing import best_of
+from moetrace import fingerprint as F
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
-from moetrace.tracer import index as ix
+from moetrace.checkpoints import index as ix
+from moetrace.checkpoints import index_build as ixb
 
 
 def read_files_once(root: Path) -> int:
@@ -49,9 +50,9 @@ def main() -> None:
         t0 = time.perf_counter()
         nbytes = read_files_once(root)
         t_read = time.perf_counter() - t0
-        stats = ix.IndexStats()
+        stats = ixb.IndexStats()
         t0 = time.perf_counter()
-        table = ix.build_index(root, args.tp, stats=stats)
+        table = ixb.build_index(root, args.tp, stats=stats)
         t_index = time.perf_counter() - t0
     busy = stats.seconds_read + stats.seconds_fingerprint
     result = {

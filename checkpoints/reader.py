@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from moetrace.checkpoints.spec import MoESpec, expert_tensor_name, fused_tensor_name, is_ignored, spec_from_config
 from moetrace.errors import MoetraceError
+from moetrace.schema import format_ids
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -366,20 +367,8 @@ def _check_expert_coverage(spec: MoESpec, tensors: dict[str, TensorInfo], root: 
         # Layers at index >= num_layers are extra heads (DeepSeek's MTP layer 61).
         if layer < spec.num_layers and layer not in moe:
             raise MoetraceError(
-                f"{name}: config.json makes layer {layer} dense (MoE layers: {_ranges(spec.moe_layers)}) "
+                f"{name}: config.json makes layer {layer} dense (MoE layers: {format_ids(spec.moe_layers)}) "
                 "but the checkpoint has experts there"
             )
         if layer in moe and expert is not None and int(expert) >= spec.num_experts:
             raise MoetraceError(f"{name}: expert id past config.json's {spec.num_experts} routed experts")
-
-
-def _ranges(ids: tuple[int, ...]) -> str:
-    """(0, 1, 2, 5) -> "0-2,5": keeps 48-layer lists to one short line."""
-    out, start = [], None
-    for i, x in enumerate(ids):
-        if start is None:
-            start = x
-        if i + 1 == len(ids) or ids[i + 1] != x + 1:
-            out.append(str(start) if start == x else f"{start}-{x}")
-            start = None
-    return ",".join(out)

@@ -19,7 +19,7 @@ import torch
 from moetrace.checkpoints.reader import Checkpoint
 from moetrace.checkpoints.spec import MoESpec, expert_tensor_name, fused_tensor_name
 from moetrace.errors import MoetraceError
-from moetrace.tracer.schema import COPY_ORDER_BF16, COPY_ORDER_FP8_BLOCK, COPY_ORDER_FP8_CHANNEL
+from moetrace.schema import COPY_ORDERS
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def local_experts(spec: MoESpec, par: Parallel, ep_rank: int) -> range:
 
 def tensor_names(spec: MoESpec) -> tuple[str, ...]:
     """FusedMoE parameter names for the format, in transport copy order."""
-    return {"fp8_block": COPY_ORDER_FP8_BLOCK, "fp8_channel": COPY_ORDER_FP8_CHANNEL, "bf16": COPY_ORDER_BF16}[spec.fmt]
+    return COPY_ORDERS[spec.fmt]
 
 
 @dataclass(frozen=True)

@@ -53,20 +53,20 @@ class Hold:
         self.tensor = tensor
 
     def released(self, tag) -> bool:
-        load_seq, _layer, _expert, slot, gen = tag
+        capture_seq, _layer, _expert, slot, gen = tag
         c = self.control
         return (
             int(c.gen[self.rank, slot]) > gen  # the writer overwrote the slot
             or c.get("parked") != 0  # rank 0 waits in a reader fence: nothing can overwrite now
-            or c.get("writes_done") >= load_seq  # rank 0 wrote the load's last expert: nothing will
+            or c.get("writes_done") >= capture_seq  # rank 0 wrote the load's last expert: nothing will
         )
 
     def describe(self, tag) -> str:
-        load_seq, layer, expert, slot, gen = tag
+        capture_seq, layer, expert, slot, gen = tag
         c = self.control
         return (f"layer {layer} expert {expert} slot {slot} waits for generation > {gen} "
                 f"(now {int(c.gen[self.rank, slot])}), rank 0 parked={c.get('parked')}, "
-                f"writes done through load {c.get('writes_done')} (this is load {load_seq})")
+                f"writes done through load {c.get('writes_done')} (this is load {capture_seq})")
 
 
 @dataclass
@@ -240,7 +240,7 @@ class SharedFullContext:
         events = [None] * n
         do_write = rt.rank == 0 and wrapper is not None
         fenced = rt.fence == "all" and rt.world > 1
-        load_seq = self.load_count
+        capture_seq = self.load_count
 
         def submit_write_expert(expert_id: int, slot: int) -> None:
             ptrs = [
@@ -270,13 +270,13 @@ class SharedFullContext:
 
             rt.barrier()  # publication: every rank sees expert idx in its slot
 
-            self._issue_copies(weight_infos, layer_idx, e, slot, load_seq)
+            self._issue_copies(weight_infos, layer_idx, e, slot, capture_seq)
             events[idx] = rt.engine.record(f"layer {layer_idx} expert {e} copy event (idx {idx})")
 
         if rt.rank == 0:
-            rt.control.set("writes_done", load_seq)
+            rt.control.set("writes_done", capture_seq)
 
-    def _issue_copies(self, weight_infos, layer_idx: int, expert: int, slot: int, load_seq: int) -> None:
+    def _issue_copies(self, weight_infos, layer_idx: int, expert: int, slot: int, capture_seq: int) -> None:
         rt = self.rt
         r = rt.rank
         gen = int(rt.control.gen[r, slot])
@@ -286,7 +286,7 @@ class SharedFullContext:
                 def done(s=slot, g=gen):
                     rt.control.delayed[r, s] = g
 
-                rt.engine.copy(gpu_t[expert], cpu_buf[slot], label, hold=(load_seq, layer_idx, expert, slot, gen),
+                rt.engine.copy(gpu_t[expert], cpu_buf[slot], label, hold=(capture_seq, layer_idx, expert, slot, gen),
                                after=done)
             else:
                 rt.engine.copy(gpu_t[expert], cpu_buf[slot], label)

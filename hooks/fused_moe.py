@@ -14,7 +14,7 @@ import torch
 
 from moetrace.hooks.ranks import module_ranks
 from moetrace.tracer.capture import Tracer, cuda_graph_capturing
-from moetrace.tracer.schema import TENSOR_NAMES
+from moetrace.schema import TENSOR_NAMES
 
 LAYER_ATTRS = ("layer_id", "layer_idx", "layer_number")
 
@@ -100,7 +100,7 @@ class FusedMoECapture:
                 return None
             local = list(range(n_local))
             tr.capture(tensors, layer=layer, source=self.source, step=step, experts=experts,
-                       local_experts=local, orders=local, ranks=ranks)
+                       local_experts=local, positions=local, ranks=ranks)
         except Exception as err:
             try:
                 tr.record_error("fused_moe_hook", err)

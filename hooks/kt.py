@@ -48,7 +48,7 @@ def _ids(value) -> list[int]:
     return [int(v) for v in value]
 
 
-def transport_orders(num_experts: int, args: dict) -> tuple[list[int], str]:
+def transport_positions(num_experts: int, args: dict) -> tuple[list[int], str]:
     """Per-expert transport order from the bound ``load`` arguments, and how it was found."""
     order = list(range(num_experts))
     original = args.get("original_layer")
@@ -143,13 +143,13 @@ class KTLoadCapture:
                              "staged capture skipped for this format")
                 return
             n = next(iter(tensors.values())).shape[0]
-            orders, how = transport_orders(n, a)
+            positions, how = transport_positions(n, a)
             if how == "expert-index":
-                tr.note_once("KT load signature without expert-order arguments: transport_order is the expert index")
+                tr.note_once("KT load signature without expert-order arguments: transport_position is the expert index")
             ranks = module_ranks(gpu_layer, tr.tp_rank, tr.tp_size)
             experts = list(range(n))
             tr.capture(tensors, layer=layer, source=self.source, step=step, experts=experts,
-                       local_experts=experts, orders=orders, ranks=ranks)
+                       local_experts=experts, positions=positions, ranks=ranks)
         except Exception as err:
             try:
                 tr.record_error("kt_load_wrapper", err)

@@ -22,19 +22,23 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from typing import Callable, Sequence
 
-from moetrace import __version__
 from moetrace.errors import MoetraceError
 from moetrace.hooks.spec import DEFAULT_TARGETS, cuda_graph_flags, hook_spec, installed_sglang_version
-from moetrace.tracer import storage
-from moetrace.tracer.manifest import RUN_MANIFEST_NAME, utc_now
-from moetrace.tracer.schema import MANIFEST_SCHEMA_VERSION
-from moetrace.tracer.sink import read_manifests
+from moetrace import storage
+from moetrace.tracer.manifest import (
+    RUN_MANIFEST_NAME,
+    common_value,
+    expected_rank_count,
+    new_run_manifest,
+    read_manifests,
+    run_problems,
+    utc_now,
+)
 
 TP_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size")
 
@@ -83,87 +87,20 @@ def build_command(cmd: Sequence[str], spec: list[dict], flags: Sequence[str]) ->
     return out
 
 
-def effective_ranks(manifests: dict[int, dict], expected_ranks: int | None) -> int | None:
-    """The rank count to expect: the server command's --tp, else the tp_size the
-    manifests agree on, else unknown."""
-    if expected_ranks is not None:
-        return expected_ranks
-    tp = _common(manifests, "tp_size")
-    return tp if isinstance(tp, int) and tp > 0 else None
-
-
 def rank_summary(manifests: dict[int, dict], expected_ranks: int | None) -> list[dict]:
     """One entry per expected rank (or per rank found when the count is unknown);
     a rank without a manifest is listed with present: false."""
     keys = ("finished", "close_reason", "disabled", "rows_written", "rows_dropped", "hook_errors", "sink_errors", "online")
-    n = effective_ranks(manifests, expected_ranks)
+    n = expected_rank_count(manifests, expected_ranks)
     ranks = sorted(set(range(n)) | set(manifests)) if n is not None else sorted(manifests)
     return [{"tp_rank": r, "present": r in manifests, **{k: manifests.get(r, {}).get(k) for k in keys}} for r in ranks]
-
-
-def _common(manifests: dict[int, dict], key: str):
-    vals = {m.get(key) for m in manifests.values()} - {None}
-    return next(iter(vals)) if len(vals) == 1 else None
-
-
-def _ids(ranks) -> str:
-    return ", ".join(str(r) for r in ranks)
-
-
-def run_problems(manifests: dict[int, dict], expected_ranks: int | None, *, server_started: bool = True,
-                 server_exit_code: int | None = None, stop_requested: bool = False) -> list[str]:
-    """Why a run is not a complete trace, one sentence per reason (empty: complete).
-
-    A rank that wrote 0 rows is a problem even when its sampling legitimately
-    kept nothing: an audit of such a run would check nothing. A non-zero server
-    exit counts only when nobody asked the server to stop.
-    """
-    problems: list[str] = []
-    if not server_started:
-        problems.append("the server did not start")
-    if server_exit_code is not None and server_exit_code != 0 and not stop_requested:
-        how = f"signal {-server_exit_code}" if server_exit_code < 0 else f"code {server_exit_code}"
-        problems.append(f"the server exited on its own with {how} (start-up failure or crash; see its log)")
-    if not manifests:
-        problems.append("no rank wrote a manifest (the hooks never started: check the server log for 'moetrace')")
-        return problems
-    n = effective_ranks(manifests, expected_ranks)
-    if n is not None:
-        missing = [r for r in range(n) if r not in manifests]
-        extra = [r for r in manifests if r >= n]
-        if missing:
-            problems.append(f"{n - len(missing)}/{n} ranks reported (no manifest from rank {_ids(missing)})")
-        if extra:
-            problems.append(f"manifests from unexpected rank {_ids(extra)} (expected ranks 0-{n - 1})")
-    for r, m in manifests.items():
-        if m.get("disabled"):
-            problems.append(f"rank {r} disabled tracing ({m.get('disabled_reason') or 'no reason recorded'})")
-        elif not m.get("finished"):
-            problems.append(f"rank {r} did not finish its trace (finished: false)")
-        if m.get("rows_dropped"):
-            problems.append(f"rank {r} dropped {m['rows_dropped']:,} rows ({_drops(m)})")
-        if m.get("hook_errors"):
-            problems.append(f"rank {r} had {m['hook_errors']:,} hook errors")
-        if not m.get("rows_written"):
-            problems.append(f"rank {r} wrote 0 rows (nothing captured: check the sampling filters and that traffic reached the server)")
-    return problems
-
-
-def _drops(m: dict) -> str:
-    drops = m.get("drops") or {}
-    return ", ".join(f"{k}: {v:,}" for k, v in sorted(drops.items()) if v) or "reason not recorded"
-
-
-def is_complete(manifests: dict[int, dict], expected_ranks: int | None, **server) -> bool:
-    """True when run_problems finds nothing (keyword args: see run_problems)."""
-    return not run_problems(manifests, expected_ranks, **server)
 
 
 def summary_line(run_id: str, manifests: dict[int, dict], expected_ranks: int | None, problems: list[str]) -> str:
     """The launcher's one-line end-of-run report."""
     if problems:
         return f"moetrace: run {run_id} INCOMPLETE: " + "; ".join(problems)
-    n = effective_ranks(manifests, expected_ranks) or len(manifests)
+    n = expected_rank_count(manifests, expected_ranks) or len(manifests)
     finished = sum(1 for m in manifests.values() if m.get("finished"))
 
     def total(key):
@@ -223,36 +160,12 @@ class Launcher:
         self.proc: subprocess.Popen | None = None
         self._signals: list[int] = []  # signal numbers (and _Stop requests), in arrival order
         self._stop_requested_at: float | None = None  # monotonic time the first stop was acted on
-        self.run_manifest = {
-            "kind": "run",
-            "schema_version": MANIFEST_SCHEMA_VERSION,
-            "run_id": run_id,
-            "out": self.config["out"],
-            "host": socket.gethostname(),
-            "launcher_pid": os.getpid(),
-            "moetrace": __version__,
-            "sglang_version": self.sglang_version,
-            "sglang_version_source": how,
-            "cuda_graph_flags": list(self.flags),
-            "user_command": self.user_cmd,
-            "command": self.cmd,
-            "hook_spec": self.spec,
-            "expected_ranks": self.expected_ranks,
-            "tp_size": self.expected_ranks,
-            "ep_size": None,
-            "checkpoint_id": self.config.get("checkpoint_id"),
-            "started_at": utc_now(),
-            "finished_at": None,
-            "finished": False,
-            "server_pid": None,
-            "server_exit_code": None,
-            "stop_signal": None,
-            "stop_reason": None,
-            "ranks_closed_before_stop": None,
-            "ranks": [],
-            "complete": False,
-            "problems": [],
-        }
+        self.run_manifest = new_run_manifest(
+            run_id, self.config["out"], sglang_version=self.sglang_version, sglang_version_source=how,
+            cuda_graph_flags=list(self.flags), user_command=self.user_cmd, command=self.cmd, hook_spec=self.spec,
+            expected_ranks=self.expected_ranks, tp_size=self.expected_ranks,
+            checkpoint_id=self.config.get("checkpoint_id"),
+        )
 
     def _write(self) -> None:
         storage.make_dirs(self.fs, self.run_dir)
@@ -355,9 +268,9 @@ class Launcher:
             finished_at=utc_now(),
             finished=True,
             server_exit_code=exit_code,
-            tp_size=effective_ranks(manifests, self.expected_ranks),
-            ep_size=_common(manifests, "ep_size"),
-            checkpoint_id=self.config.get("checkpoint_id") or _common(manifests, "checkpoint_id"),
+            tp_size=expected_rank_count(manifests, self.expected_ranks),
+            ep_size=common_value(manifests, "ep_size"),
+            checkpoint_id=self.config.get("checkpoint_id") or common_value(manifests, "checkpoint_id"),
             ranks=rank_summary(manifests, self.expected_ranks),
             complete=not problems,
             problems=problems,

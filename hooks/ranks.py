@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from moetrace.tracer.sink import RankInfo
+from moetrace.schema import RankIdentity
 
 
 def detect_rank(tp_rank: int | None = None, tp_size: int | None = None) -> tuple[int, int, str]:
@@ -37,7 +37,7 @@ def detect_rank(tp_rank: int | None = None, tp_size: int | None = None) -> tuple
     return 0, int(tp_size or 1), "default"
 
 
-def module_ranks(module, tp_rank: int, tp_size: int) -> RankInfo:
+def module_ranks(module, tp_rank: int, tp_size: int) -> RankIdentity:
     """Row ranks from a FusedMoE-like module's attributes (moe_tp_*, moe_ep_*)."""
     ep_size = int(getattr(module, "moe_ep_size", None) or 1)
     ep_rank = int(getattr(module, "moe_ep_rank", None) or 0)
@@ -45,4 +45,4 @@ def module_ranks(module, tp_rank: int, tp_size: int) -> RankInfo:
     moe_tp_rank = getattr(module, "moe_tp_rank", None)
     moe_tp_size = int(moe_tp_size) if moe_tp_size is not None else max(1, tp_size // ep_size)
     moe_tp_rank = int(moe_tp_rank) if moe_tp_rank is not None else tp_rank % moe_tp_size
-    return RankInfo(int(tp_size), int(tp_rank), ep_size, ep_rank, moe_tp_size, moe_tp_rank)
+    return RankIdentity(int(tp_size), int(tp_rank), ep_size, ep_rank, moe_tp_size, moe_tp_rank)

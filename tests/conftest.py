@@ -1,10 +1,23 @@
-"""Shared fixtures: synthetic checkpoints, written once per session per argument set."""
+"""Shared fixtures: synthetic checkpoints, written once per session per argument set.
+
+tests/ and bench/ go on sys.path (and on PYTHONPATH for the processes tests start)
+so test modules import the shared scaffolding as ``support.*`` and the benchmark
+data generator as ``synthetic_trace``; neither is part of the moetrace package.
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 
 import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+for path in (HERE, os.path.join(os.path.dirname(HERE), "bench")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+os.environ["PYTHONPATH"] = os.pathsep.join([HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 
 @pytest.fixture(scope="session")

@@ -12,15 +12,18 @@ import pytest
 from click.testing import CliRunner
 
 from moetrace.analysis.report import analyze
-from moetrace.analysis.synth import SynthModel, rows_table, write_scenario
 from moetrace.cli import main
 from moetrace.errors import MoetraceError
+from support.traces import CheckpointModel, write_scenario
+
+
+SIZES = dict(num_layers=2, num_experts=4, hidden=256, intermediate=512)
 
 
 @pytest.fixture(scope="module")
-def model():
-    # the self-contained generator: these tests are about input handling, not shards
-    return SynthModel(tp_size=2, num_layers=2, num_experts=4, hidden=256, intermediate=512)
+def model(make_ckpt):
+    # small: these tests are about input handling, not shards
+    return CheckpointModel(make_ckpt(**SIZES), tp_size=2)
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +85,9 @@ def test_garbled_manifest(run, index):
 
 def test_mixed_schema_versions(run, index, model):
     t = pq.read_table(run / "rank=1" / "part-00001.parquet")
-    t = t.set_column(0, "schema_version", pa.array([2] * t.num_rows, pa.int16()))
+    t = t.set_column(0, "schema_version", pa.array([3] * t.num_rows, pa.int16()))
     pq.write_table(t, run / "rank=1" / "part-00001.parquet")
-    line = one_line_error(cli("analyze", run, "--index", index), "mixes schema versions", "v1", "v2")
+    line = one_line_error(cli("analyze", run, "--index", index), "mixes schema versions", "v2", "v3")
     assert "part-00001.parquet" in line
 
 
@@ -92,8 +95,8 @@ def test_newer_schema_version_only(run, index):
     for rk in ("rank=0", "rank=1"):
         for p in (run / rk).glob("part-*.parquet"):
             t = pq.read_table(p)
-            pq.write_table(t.set_column(0, "schema_version", pa.array([2] * t.num_rows, pa.int16())), p)
-    one_line_error(cli("analyze", run, "--index", index), "schema_version 2", "reads version 1")
+            pq.write_table(t.set_column(0, "schema_version", pa.array([3] * t.num_rows, pa.int16())), p)
+    one_line_error(cli("analyze", run, "--index", index), "schema_version 3", "reads version 2")
 
 
 def test_index_for_another_tp_size(run, model, tmp_path):
@@ -102,9 +105,10 @@ def test_index_for_another_tp_size(run, model, tmp_path):
     one_line_error(cli("audit", run, "--index", other), "TP2", "TP4")
 
 
-def test_index_for_another_checkpoint(run, model, tmp_path):
-    other = model.write_index(str(tmp_path / "other.parquet"), checkpoint_id="someone-else")
-    one_line_error(cli("analyze", run, "--index", other), "traced checkpoint", "someone-else")
+def test_index_for_another_checkpoint(run, make_ckpt, tmp_path):
+    other_model = CheckpointModel(make_ckpt(**SIZES, seed=1), tp_size=2)
+    other = other_model.write_index(str(tmp_path / "other.parquet"))
+    one_line_error(cli("analyze", run, "--index", other), "traced checkpoint", other_model.checkpoint_id)
 
 
 def test_empty_trace(model, index, tmp_path):
@@ -127,9 +131,9 @@ def test_only_unreadable_parts(run, index):
 
 
 def test_bad_index_files(run, tmp_path):
-    one_line_error(cli("analyze", run, "--index", tmp_path / "nope.parquet"), "does not exist")
+    one_line_error(cli("analyze", run, "--index", tmp_path / "nope.parquet"), "nope.parquet: no such file")
     (tmp_path / "junk.parquet").write_bytes(b"junk")
-    one_line_error(cli("analyze", run, "--index", tmp_path / "junk.parquet"), "unreadable")
+    one_line_error(cli("analyze", run, "--index", tmp_path / "junk.parquet"), "not a readable moetrace index")
     pq.write_table(pa.table({"a": [1]}), tmp_path / "alien.parquet")
     one_line_error(cli("analyze", run, "--index", tmp_path / "alien.parquet"), "not a moetrace index")
 
@@ -147,10 +151,9 @@ def test_rows_disagreeing_with_manifest(run, index):
 
 
 def test_part_from_another_layout(run, index, model):
-    rows = pq.read_table(run / "rank=0" / "part-00000.parquet").to_pylist()
-    for x in rows:
-        x["tp_size"] = 4
-    pq.write_table(rows_table(rows), run / "rank=0" / "part-00000.parquet")
+    part = run / "rank=0" / "part-00000.parquet"
+    t = pq.read_table(part)
+    pq.write_table(t.set_column(t.schema.get_field_index("tp_size"), "tp_size", pa.array([4] * t.num_rows, pa.int16())), part)
     one_line_error(cli("analyze", run, "--index", index), "part-00000.parquet has tp_size [4]", "manifest says 2")
 
 

@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from click.testing import CliRunner
 
-from moetrace.analysis.synth import CheckpointModel, write_scenario
+from support.traces import CheckpointModel, write_scenario
 from moetrace.cli import main
 
 STEPS = [0, 1, 2]
@@ -61,15 +61,15 @@ def test_json_is_stable_and_documented(env):
     r = cli("analyze", f"{env['out']}/unfenced", "--index", env["index"], "--json")
     assert r.exit_code == 0
     doc = json.loads(r.output)
-    assert doc["schema"] == "moetrace.analysis" and doc["version"] == 1
+    assert doc["schema"] == "moetrace.analysis" and doc["version"] == 2
     assert list(doc) == ["schema", "version", "moetrace_version", "created_at", "inputs", "status", "audit_exit_code",
                          "totals", "incomplete", "warnings", "first_divergence", "summaries", "runs", "skipped_parts",
                          "loads", "missing_loads", "divergent_rows", "divergent_rows_truncated"]
     assert doc["status"] == "divergent" and doc["audit_exit_code"] == 1
     row = doc["divergent_rows"][0]
-    assert set(row) == {"run_id", "step", "layer", "tp_rank", "source", "load_seq", "transport_order", "copy_order",
-                        "expert", "tensor", "verdict", "k", "found", "value", "chunks", "fp", "expected_fp", "sentence"}
-    assert len(row["fp"]) == 32
+    assert set(row) == {"run_id", "step", "layer", "tp_rank", "source", "capture_seq", "transport_position", "copy_position",
+                        "expert", "tensor", "verdict", "k", "found", "value", "chunks", "digest", "expected_digest", "sentence"}
+    assert len(row["digest"]) == 32
     docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "analysis.md")).read()
     for key in list(doc) + list(doc["totals"]) + list(row):
         assert f"`{key}`" in docs, f"docs/analysis.md does not document {key}"
@@ -122,7 +122,7 @@ def test_audit_exit_codes(env, tmp_path):
     # dropped rows
     write_scenario(m, str(tmp_path), "dropped", STEPS, None, manifest={"rows_dropped": 5})
     r = cli("audit", tmp_path / "dropped", "--index", index)
-    assert r.exit_code == 2 and "5 rows dropped by the tracer" in r.output
+    assert r.exit_code == 2 and "rank 0 dropped 5 rows" in r.output
     # a manifest that never finished
     write_scenario(m, str(tmp_path), "killed", STEPS, None, manifest=lambda r: {"finished": r == 0})
     r = cli("audit", tmp_path / "killed", "--index", index)

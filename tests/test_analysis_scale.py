@@ -6,10 +6,10 @@ import numpy as np
 import torch
 
 from moetrace.analysis.report import analyze
-from moetrace.analysis.inputs import fp_columns, pair_to_hex
-from moetrace.analysis.synth import write_bench
+from moetrace.analysis.trace import digest_columns, pair_to_hex
 from moetrace.analysis.verdicts import constant_candidates, constant_fingerprint, fp_join
-from moetrace.tracer.fingerprint import fingerprint
+from moetrace.fingerprint import fingerprint
+from synthetic_trace import write_bench
 
 
 def test_fp_join_finds_all_pairs():
@@ -22,12 +22,12 @@ def test_fp_join_finds_all_pairs():
     assert sorted(zip(qi.tolist(), ti.tolist())) == [(0, 3), (0, 7), (1, 10), (2, 49)]
 
 
-def test_fp_columns_round_trip():
+def test_digest_columns_round_trip():
     import pyarrow as pa
 
     fps = [bytes(range(i, i + 16)) for i in range(5)]
     arr = pa.array(fps, pa.binary(16)).slice(1)
-    hi, lo = fp_columns(arr)
+    hi, lo = digest_columns(arr)
     assert [pair_to_hex(h, l) for h, l in zip(hi, lo)] == [f.hex() for f in fps[1:]]
 
 

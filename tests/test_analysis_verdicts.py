@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moetrace.analysis.report import analyze
-from moetrace.analysis.synth import CheckpointModel, load_rows, write_rank, write_run_json, write_scenario
+from support.traces import CheckpointModel, capture_load, open_rank, write_run_json, write_scenario
 
 STEPS = [0, 1, 2]
 
@@ -89,7 +89,7 @@ def test_first_divergence_and_summaries(traces, index):
     doc = analyze([f"{traces}/unfenced"], index=index).doc
     (fd,) = doc["first_divergence"]
     assert fd["sentence"] == "step 1, layer 0, rank 1, expert 0: w2_weight_scale_inv holds expert 2 (E+2)"
-    assert (fd["step"], fd["layer"], fd["copy_order"], fd["ranks"]) == (1, 0, 3, [1])
+    assert (fd["step"], fd["layer"], fd["copy_position"], fd["ranks"]) == (1, 0, 3, [1])
     sentences = [s["sentence"] for s in doc["summaries"]]
     assert sentences == [
         "rank 1, layer 0, step 1: 6/8 w2_weight_scale_inv are E+2",
@@ -115,7 +115,7 @@ def test_first_divergence_lists_every_rank_there(model, index, tmp_path):
                               "rank 1, expert 3: w13_weight holds rank 0's shard")
 
 
-def test_order_is_step_layer_transport_then_copy_order(model, index, tmp_path):
+def test_order_is_step_layer_transport_then_copy_position(model, index, tmp_path):
     """A later expert's w13 at layer 0 beats an earlier expert's w2 at layer 1; within one
     expert, w13_weight comes before w2_weight_scale_inv."""
 
@@ -144,16 +144,8 @@ def test_other_verdicts(model, index, tmp_path):
             return {(4, "w2_weight_scale_inv"): ("expert", 3)}
         return {}
 
-    write_scenario(model, str(tmp_path), "odd", [0], odd)
-    # one row for an expert the index does not know
-    extra = load_rows(model, "odd", 0, 0, 0, corrupt={}, experts=[0])[0]
-    extra.update(expert=99, local_expert=99)
-    d = tmp_path / "odd" / "rank=0"
-    import pyarrow.parquet as pq
-
-    from moetrace.analysis.synth import rows_table
-
-    pq.write_table(rows_table([extra]), d / "part-00001.parquet")
+    write_scenario(model, str(tmp_path), "odd", [0], odd, extra=lambda sink, r: r == 0 and capture_load(
+        sink, model, 0, 0, 0, capture_seq=0, experts=[0], claimed=[99]))  # joins the first load
     doc = analyze([str(tmp_path / "odd")], index=index).doc
     got = {(r["tp_rank"], r["layer"], r["expert"], r["tensor"]): r for r in doc["divergent_rows"]}
     wl = got[(0, 0, 1, "w2_weight")]
@@ -177,17 +169,17 @@ def test_other_verdicts(model, index, tmp_path):
                                                 "constant", "torn", "unknown", "unexpected", "missing"}
 
 
-def test_torn_without_chunk_fps_is_unknown_with_a_warning(model, index, tmp_path):
+def test_torn_without_chunk_digests_is_unknown_with_a_warning(model, index, tmp_path):
     write_scenario(model, str(tmp_path), "nochunks", [0], lambda s, r, l: {(5, "w13_weight"): ("torn", 7)}
-                   if (r, l) == (1, 1) else {}, chunk_fps="none")
+                   if (r, l) == (1, 1) else {}, chunk_digests="none")
     doc = analyze([str(tmp_path / "nochunks")], index=index).doc
     (row,) = doc["divergent_rows"]
-    assert row["verdict"] == "unknown" and "no chunk fingerprints" in row["sentence"]
-    assert any("no chunk fingerprints" in w for w in doc["warnings"])
+    assert row["verdict"] == "unknown" and "no chunk digests" in row["sentence"]
+    assert any("no chunk digests" in w for w in doc["warnings"])
 
 
-def test_chunk_fps_on_every_row_changes_nothing(model, index, tmp_path):
-    write_scenario(model, str(tmp_path), "all", STEPS, unfenced, chunk_fps="all", parts=3)
+def test_chunk_digests_on_every_row_changes_nothing(model, index, tmp_path):
+    write_scenario(model, str(tmp_path), "all", STEPS, unfenced, chunk_digests="all", parts=3)
     a = analyze([str(tmp_path / "all")], index=index).doc
     assert a["totals"]["by_verdict"]["torn"] == 1 and a["totals"]["by_verdict"]["stale"] == 6
 
@@ -195,14 +187,14 @@ def test_chunk_fps_on_every_row_changes_nothing(model, index, tmp_path):
 def test_sampling_restricts_the_expected_set(model, index, tmp_path):
     """A hook config that captured experts 0-3 and the w2 tensors only: the rest is not missing."""
     run = "sampled"
-    write_run_json(str(tmp_path), run, 2, model.checkpoint_id)
+    write_run_json(str(tmp_path), run, model)
+    config = {"out": str(tmp_path), "experts": [0, 1, 2, 3], "tensors": ["w2_weight", "w2_weight_scale_inv"]}
     for r in range(2):
-        rows = []
+        sink = open_rank(model, str(tmp_path), run, r, config=config)
         for l in model.layer_ids:
-            rows += [x for x in load_rows(model, run, 0, r, l, experts=[0, 1, 2, 3], load_seq=l)
-                     if x["tensor"].startswith("w2")]
-        write_rank(str(tmp_path), run, r, rows, 2, model.checkpoint_id,
-                   manifest={"config": {"out": "x", "experts": [0, 1, 2, 3], "tensors": ["w2_weight", "w2_weight_scale_inv"]}})
+            capture_load(sink, model, 0, r, l, experts=[0, 1, 2, 3], capture_seq=l,
+                         tensors=("w2_weight", "w2_weight_scale_inv"))
+        assert sink.close()
     rep = analyze([str(tmp_path / run)], index=index)
     assert rep.doc["totals"]["sentence"] == "32/32 tensors match across 1 step, 2 ranks"
     assert rep.exit_code == 0
@@ -211,14 +203,14 @@ def test_sampling_restricts_the_expected_set(model, index, tmp_path):
 
 def test_resident_and_staged_loads_are_separate(model, index, tmp_path):
     run = "both"
-    write_run_json(str(tmp_path), run, 2, model.checkpoint_id)
+    write_run_json(str(tmp_path), run, model)
     for r in range(2):
-        rows = []
+        sink = open_rank(model, str(tmp_path), run, r)
         for l in model.layer_ids:
             bad = {(2, "w2_weight_scale_inv"): ("expert", 4)} if (r, l) == (1, 0) else {}
-            rows += load_rows(model, run, 0, r, l, source="resident", load_seq=10 + l, corrupt=bad)
-            rows += load_rows(model, run, 0, r, l, source="staged", load_seq=l)
-        write_rank(str(tmp_path), run, r, rows, 2, model.checkpoint_id)
+            capture_load(sink, model, 0, r, l, source="resident", capture_seq=10 + l, corrupt=bad)
+            capture_load(sink, model, 0, r, l, source="staged", capture_seq=l)
+        assert sink.close()
     doc = analyze([str(tmp_path / run)], index=index).doc
     assert doc["totals"]["loads"] == 8
     assert [s["sentence"] for s in doc["summaries"]] == ["rank 1, layer 0, step 0 (resident): 1/8 w2_weight_scale_inv are E+2"]
@@ -275,7 +267,7 @@ def test_trace_written_by_the_real_tracer(model, index, tmp_path):
                 held = {k: v.clone() for k, v in model._layer(layer, r).items()}
                 if (step, r, layer) == (1, 1, 0):
                     held["w2_weight_scale_inv"][:6] = model._layer(layer, r)["w2_weight_scale_inv"][2:8]
-                tr.capture(held, layer=layer, source="staged", step=step, experts=range(8), orders=range(8))
+                tr.capture(held, layer=layer, source="staged", step=step, experts=range(8), positions=range(8))
         assert tr.close()
     rep = analyze([str(tmp_path / "live")], index=index)
     doc = rep.doc

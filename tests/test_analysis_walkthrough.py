@@ -15,9 +15,10 @@ from click.testing import CliRunner
 from moetrace.analysis import render
 from moetrace.analysis.plot import plot
 from moetrace.analysis.report import analyze
-from moetrace.analysis.synth import CheckpointModel, SynthModel, write_bench, write_scenario
 from moetrace.cli import main
 from moetrace.errors import MoetraceError
+from support.traces import CheckpointModel, write_scenario
+from synthetic_trace import write_bench
 
 STEPS = list(range(13))
 SAME = {(e, "w2_weight_scale_inv"): ("expert", e + 2) for e in range(2)}  # 2/4 are E+2
@@ -31,8 +32,8 @@ def repeated(s, r, l):
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    model = SynthModel(tp_size=2, num_layers=2, num_experts=4, hidden=256, intermediate=512)
+def env(make_ckpt, tmp_path_factory):
+    model = CheckpointModel(make_ckpt(num_layers=2, num_experts=4, hidden=256, intermediate=512), tp_size=2)
     root = tmp_path_factory.mktemp("walk")
     index = model.write_index(str(root / "index.parquet"))
     out = str(root / "traces")
@@ -232,9 +233,9 @@ def test_right_checkpoint_still_analyzes(two_checkpoints, tmp_path, monkeypatch)
 
 
 
-def test_server_that_died_on_its_own_makes_the_audit_incomplete(tmp_path):
+def test_server_that_died_on_its_own_makes_the_audit_incomplete(make_ckpt, tmp_path):
     """A clean-looking trace from a server that crashed is not a pass."""
-    model = SynthModel(tp_size=2, num_layers=1, num_experts=4, hidden=256, intermediate=512)
+    model = CheckpointModel(make_ckpt(num_layers=2, num_experts=4, hidden=256, intermediate=512), tp_size=2)
     index = model.write_index(str(tmp_path / "index.parquet"))
     out = str(tmp_path / "traces")
     write_scenario(model, out, "crash", [0, 1], None)
@@ -244,7 +245,7 @@ def test_server_that_died_on_its_own_makes_the_audit_incomplete(tmp_path):
     doc.update(finished=True, server_exit_code=1, stop_reason=None)
     run_json.write_text(json.dumps(doc))
     rep = analyze([f"{out}/crash"], index=index)
-    assert rep.exit_code == 2 and any("exited with code 1 on its own" in s for s in rep.doc["incomplete"])
+    assert rep.exit_code == 2 and any("exited on its own with code 1" in s for s in rep.doc["incomplete"])
     doc.update(stop_reason="traffic done", server_exit_code=-15)  # we stopped it: fine
     run_json.write_text(json.dumps(doc))
     assert analyze([f"{out}/crash"], index=index).exit_code == 0

@@ -60,9 +60,9 @@ def reference(ckpt):
 def _hook_specs(out) -> list[dict]:
     return [
         {"name": "probe", "target_modules": ["model.layers.*.mlp.experts"],
-         "hook_factory": "moetrace.emulator.testing:record_calls", "config": {"out": str(out)}},
+         "hook_factory": "support.probes:record_calls", "config": {"out": str(out)}},
         {"name": "kt-loads", "target_modules": ["model.layers.0.mlp.experts"],
-         "hook_factory": "moetrace.emulator.testing.record_loads", "config": {"out": str(out)}},
+         "hook_factory": "support.probes.record_loads", "config": {"out": str(out)}},
     ]
 
 
@@ -217,10 +217,10 @@ def test_copy_engine_orders_events_behind_parked_copies():
 def test_forward_hooks_resolver_semantics(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     specs = parse_forward_hooks(json.dumps([
-        {"name": "a", "target_modules": ["0"], "hook_factory": "moetrace.emulator.testing:record_calls",
+        {"name": "a", "target_modules": ["0"], "hook_factory": "support.probes:record_calls",
          "config": {"out": str(tmp_path)}},
-        {"name": "no-targets", "hook_factory": "moetrace.emulator.testing:record_calls"},
-        {"name": "no-match", "target_modules": ["nothing.*"], "hook_factory": "moetrace.emulator.testing.record_calls",
+        {"name": "no-targets", "hook_factory": "support.probes:record_calls"},
+        {"name": "no-match", "target_modules": ["nothing.*"], "hook_factory": "support.probes.record_calls",
          "config": {"out": str(tmp_path)}},
     ]))
     assert register_forward_hooks(model, specs) == [("a", "0")]
@@ -233,7 +233,7 @@ def test_forward_hooks_resolver_semantics(tmp_path):
     with pytest.raises(MoetraceError, match="cannot import"):
         resolve_callable("no_such_pkg_xyz.mod:fn")
     with pytest.raises(MoetraceError, match="has no attribute"):
-        resolve_callable("moetrace.emulator.testing:nope")
+        resolve_callable("support.probes:nope")
 
 
 def test_request_normalization():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from moetrace.tracer import fingerprint as F
+from moetrace import fingerprint as F
 
 C = F.CHUNK_BYTES
 SIZES = [0, 1, 3, 4, 5, 7, 8, 9, 11, 12, 13, 17, 100, C - 5, C - 4, C - 1, C, C + 1, C + 4, C + 12, 2 * C + 11, 3 * C]

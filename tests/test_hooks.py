@@ -22,10 +22,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from moetrace.hooks import sglang_hook
-from moetrace.hooks.kt import GPU_COPIED, transport_orders
+from moetrace.hooks.kt import GPU_COPIED, transport_positions
 from moetrace.hooks.launch import Launcher, build_command, expected_tp
 from moetrace.hooks.spec import DEFAULT_TARGETS, LEGACY_CUDA_GRAPH_FLAGS, SPLIT_CUDA_GRAPH_FLAGS, cuda_graph_flags, hook_spec
-from moetrace.tracer.sink import read_manifests, read_trace
+from moetrace.tracer.manifest import read_manifests
+from support.traces import read_rows as read_trace
 
 CKPT = dict(num_layers=2, num_experts=8, hidden=128, intermediate=256, seed=3)
 NAMES = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
@@ -103,12 +104,13 @@ def build_model(ckpt_path, tp_rank=0, tp_size=1):
 
 def index_fps(index_path, tp_rank=None) -> dict:
     t = pq.read_table(index_path).to_pylist()
-    return {(r["tp_rank"], r["layer"], r["expert"], r["tensor"]): r["fp"] for r in t if tp_rank in (None, r["tp_rank"])}
+    return {(r["tp_rank"], r["layer"], r["expert"], r["tensor"]): r["digest"] for r in t if tp_rank in (None, r["tp_rank"])}
 
 
 @pytest.fixture
 def index(make_ckpt, tmp_path):
-    from moetrace.tracer.index import build_index, write_index
+    from moetrace.checkpoints.index import write_index
+    from moetrace.checkpoints.index_build import build_index
 
     def make(tp_size=1):
         path = tmp_path / f"index-tp{tp_size}.parquet"
@@ -143,7 +145,7 @@ def test_sglang_register_forward_hooks_matches_index(make_ckpt, index, tmp_path)
     t = read_trace(str(tmp_path), "one").to_pylist()
     assert len(t) == 3 * 2 * 8 * 4
     want = index_fps(idx)
-    assert all(r["fp"] == want[(0, r["layer"], r["expert"], r["tensor"])] for r in t)
+    assert all(r["digest"] == want[(0, r["layer"], r["expert"], r["tensor"])] for r in t)
     assert {r["online"] for r in t} == {"match"}
     assert sorted({(r["step"], r["layer"]) for r in t}) == [(s, L) for s in range(3) for L in (0, 1)]
     m = read_manifests(str(tmp_path), "one")[0]
@@ -159,7 +161,7 @@ def test_swapped_expert_slice_is_recorded_and_dumped(make_ckpt, index, tmp_path)
     w = model.model.layers[1].mlp.experts.w2_weight_scale_inv
     with torch.no_grad():  # expert 3 ends up holding expert 5's down-proj scale (E+2)
         w[3] = w[5].clone()
-    hm.register_forward_hooks(model, _spec(tmp_path, run_id="swap", index=idx, dump_max_count=1, chunk_fps="mismatch"))
+    hm.register_forward_hooks(model, _spec(tmp_path, run_id="swap", index=idx, dump_max_count=1, chunk_digests="mismatch"))
     model(torch.zeros(2))
     model(torch.zeros(2))
     assert sglang_hook.close_all()
@@ -168,15 +170,15 @@ def test_swapped_expert_slice_is_recorded_and_dumped(make_ckpt, index, tmp_path)
     assert [(r["step"], r["layer"], r["expert"], r["tensor"]) for r in bad] == [
         (0, 1, 3, "w2_weight_scale_inv"), (1, 1, 3, "w2_weight_scale_inv")]
     want = index_fps(idx)
-    assert bad[0]["fp"] == want[(0, 1, 5, "w2_weight_scale_inv")]  # the bytes are expert 5's
-    assert bad[0]["chunk_fps"] and all(r["chunk_fps"] is None for r in t if r["online"] == "match")
+    assert bad[0]["digest"] == want[(0, 1, 5, "w2_weight_scale_inv")]  # the bytes are expert 5's
+    assert bad[0]["chunk_digests"] and all(r["chunk_digests"] is None for r in t if r["online"] == "match")
     m = read_manifests(str(tmp_path), "swap")[0]
     assert m["dumps"]["count"] == 1 and m["dumps"]["skipped"] == 1 and m["online"]["mismatch"] == 2
     from safetensors import safe_open
 
     with safe_open(tmp_path / "swap" / "rank=0" / m["dumps"]["files"][0], "pt") as f:
         assert torch.equal(f.get_tensor("w2_weight_scale_inv"), w[5])
-        assert f.metadata()["expected_fp"] == want[(0, 1, 3, "w2_weight_scale_inv")].hex()
+        assert f.metadata()["expected_digest"] == want[(0, 1, 3, "w2_weight_scale_inv")].hex()
 
 
 # ----------------------------------------------------------------- TP2 over gloo, two processes
@@ -216,11 +218,11 @@ def test_tp2_gloo_two_processes(make_ckpt, index, tmp_path):
     keys = {r: {(x["step"], x["layer"], x["expert"], x["tensor"]) for x in t if x["tp_rank"] == r} for r in (0, 1)}
     assert keys[0] == keys[1] and len(keys[0]) == 3 * 2 * 8 * 4  # rows line up by step
     want = index_fps(idx)
-    assert all(x["fp"] == want[(x["tp_rank"], x["layer"], x["expert"], x["tensor"])] for x in t)
+    assert all(x["digest"] == want[(x["tp_rank"], x["layer"], x["expert"], x["tensor"])] for x in t)
     assert {x["online"] for x in t} == {"match"}
     assert {(x["tp_rank"], x["tp_size"], x["moe_tp_rank"]) for x in t} == {(0, 2, 0), (1, 2, 1)}
-    r0 = {(x["step"], x["layer"], x["expert"], x["tensor"]): x["fp"] for x in t if x["tp_rank"] == 0}
-    r1 = {(x["step"], x["layer"], x["expert"], x["tensor"]): x["fp"] for x in t if x["tp_rank"] == 1}
+    r0 = {(x["step"], x["layer"], x["expert"], x["tensor"]): x["digest"] for x in t if x["tp_rank"] == 0}
+    r1 = {(x["step"], x["layer"], x["expert"], x["tensor"]): x["digest"] for x in t if x["tp_rank"] == 1}
     assert sum(r0[k] != r1[k] for k in r0) == len(r0)  # each rank holds its own shard
 
 
@@ -256,16 +258,16 @@ class FakeSharedFullContext:
         return None
 
 
-def test_transport_orders_from_each_load_signature():
+def test_transport_positions_from_each_load_signature():
     mask = torch.tensor([True, False, False, True, False])
-    assert transport_orders(5, {"layer_idx": 0, "original_layer": object(), "gpu_experts_mask": mask,
+    assert transport_positions(5, {"layer_idx": 0, "original_layer": object(), "gpu_experts_mask": mask,
                                 "logical_to_gpu_index": torch.arange(5)}) == ([-1, 0, 1, -1, 2], "cpu-expert-order")
-    assert transport_orders(3, {"original_layer": None, "gpu_experts_mask": None,
+    assert transport_positions(3, {"original_layer": None, "gpu_experts_mask": None,
                                 "logical_to_gpu_index": None}) == ([0, 1, 2], "all-cpu")
     ids = {"original_layer": object(), "gpu_expert_ids_t": torch.tensor([2]), "cpu_expert_ids_t": torch.tensor([3, 0, 1]),
            "gpu_indices_t": torch.tensor([0])}
-    assert transport_orders(4, ids) == ([1, 2, GPU_COPIED, 0], "cpu-expert-order")
-    assert transport_orders(2, {"original_layer": None}) == ([0, 1], "expert-index")
+    assert transport_positions(4, ids) == ([1, 2, GPU_COPIED, 0], "cpu-expert-order")
+    assert transport_positions(2, {"original_layer": None}) == ([0, 1], "expert-index")
 
 
 def test_kt_staged_load_capture_via_factory(make_ckpt, index, tmp_path, monkeypatch):
@@ -316,7 +318,7 @@ def test_kt_staged_load_capture_via_factory(make_ckpt, index, tmp_path, monkeypa
     assert len(staged) == len(resident) == 2 * 2 * 8 * 4
     assert {(r["step"], r["layer"]) for r in staged} == {(r["step"], r["layer"]) for r in resident}
     cpu_order = [e for e in range(8) if e not in (2, 6)]
-    orders = {r["expert"]: r["transport_order"] for r in staged}
+    orders = {r["expert"]: r["transport_position"] for r in staged}
     assert orders == {e: (cpu_order.index(e) if e in cpu_order else -1) for e in range(8)}
     bad = {(r["expert"], r["tensor"]) for r in staged if r["online"] == "mismatch"}
     # every CPU expert but the last two of the order got E+2's scale
@@ -325,7 +327,7 @@ def test_kt_staged_load_capture_via_factory(make_ckpt, index, tmp_path, monkeypa
     for r in staged:
         if r["online"] == "mismatch":
             e2 = cpu_order[cpu_order.index(r["expert"]) + 2]
-            assert r["fp"] == want[(0, r["layer"], e2, r["tensor"])]
+            assert r["digest"] == want[(0, r["layer"], e2, r["tensor"])]
     assert {r["online"] for r in resident} == {"match"}
 
 
@@ -524,7 +526,8 @@ def _rank(r, **kw):
 
 
 def test_run_problems_and_summary_line():
-    from moetrace.hooks.launch import run_problems, summary_line
+    from moetrace.hooks.launch import summary_line
+    from moetrace.tracer.manifest import run_problems
 
     good = {0: _rank(0), 1: _rank(1)}
     assert run_problems(good, 2, server_exit_code=0, stop_requested=True) == []

@@ -14,9 +14,10 @@ from click.testing import CliRunner
 from moetrace.checkpoints.synthetic import synthetic_values
 from moetrace.cli import main
 from moetrace.errors import MoetraceError
-from moetrace.tracer import index as ix
-from moetrace.tracer.fingerprint import fingerprint
-from moetrace.tracer.schema import INDEX_SCHEMA
+from moetrace.checkpoints import index as ix
+from moetrace.checkpoints import index_build as ixb
+from moetrace.fingerprint import fingerprint
+from moetrace.schema import INDEX_SCHEMA
 
 H, I, E = 256, 256, 8
 
@@ -52,7 +53,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 2)])
 def test_index_rows_equal_independent_shards(ckpt, tp, ep):
-    table = ix.build_index(ckpt, tp, ep)
+    table = ixb.build_index(ckpt, tp, ep)
     assert table.schema.equals(INDEX_SCHEMA, check_metadata=False)
     rows = table.to_pylist()
     moe_layers = [1, 2]  # dense_layers=1 makes layer 0 dense
@@ -65,40 +66,40 @@ def test_index_rows_equal_independent_shards(ckpt, tp, ep):
         for expert in range(ep_rank * per_rank_experts, (ep_rank + 1) * per_rank_experts):
             w13 = by_key[(tp_rank, 2, expert, "w13_weight")]
             want = _w13_reference(2, expert, tp_rank, tp, ep)
-            assert w13["fp"] == fingerprint(want).digest
+            assert w13["digest"] == fingerprint(want).digest
             assert w13["shape"] == list(want.shape) and w13["dtype"] == "float8_e4m3fn"
             assert w13["local_expert"] == expert - ep_rank * per_rank_experts
             s = by_key[(tp_rank, 1, expert, "w2_weight_scale_inv")]
             want_s = _w2_scale_reference(1, expert, tp_rank, tp, ep)
-            assert s["fp"] == fingerprint(want_s).digest and s["dtype"] == "float32"
-            assert s["chunk_fps"] == fingerprint(want_s).chunk_digests
+            assert s["digest"] == fingerprint(want_s).digest and s["dtype"] == "float32"
+            assert s["chunk_digests"] == fingerprint(want_s).chunk_digests
     # a stale expert's bytes are another row's digest: the analysis relies on it
-    assert by_key[(0, 1, 0, "w2_weight_scale_inv")]["fp"] != by_key[(0, 1, 2, "w2_weight_scale_inv")]["fp"]
+    assert by_key[(0, 1, 0, "w2_weight_scale_inv")]["digest"] != by_key[(0, 1, 2, "w2_weight_scale_inv")]["digest"]
 
 
 def test_layers_option_and_metadata(ckpt, tmp_path):
-    table = ix.build_index(ckpt, 2, layers=[2])
+    table = ixb.build_index(ckpt, 2, layers=[2])
     assert set(table.column("layer").to_pylist()) == {2}
     path = ix.write_index(table, tmp_path / "i.parquet")
     meta = ix.index_metadata(path)
-    assert meta["tp_size"] == 2 and meta["layers"] == [2] and meta["schema_version"] == 1
+    assert meta["tp_size"] == 2 and meta["layers"] == [2] and meta["schema_version"] == 2
     assert ix.read_index(path).num_rows == table.num_rows
     with pytest.raises(MoetraceError, match="--layers 0: not MoE layers"):
-        ix.build_index(ckpt, 2, layers=[0])
+        ixb.build_index(ckpt, 2, layers=[0])
 
 
 def test_cache_reuses_and_notices_changes(ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("MOETRACE_CACHE", str(tmp_path / "cache"))
-    p1, reused1 = ix.cached_index(ckpt, 2)
-    p2, reused2 = ix.cached_index(ckpt, 2)
+    p1, reused1 = ixb.cached_index(ckpt, 2)
+    p2, reused2 = ixb.cached_index(ckpt, 2)
     assert (reused1, reused2) == (False, True) and p1 == p2
-    p3, reused3 = ix.cached_index(ckpt, 2, layers=[1])
+    p3, reused3 = ixb.cached_index(ckpt, 2, layers=[1])
     assert not reused3 and p3 != p1
     # touching a shard file invalidates the entry
     f = sorted(Path(ckpt).glob("*.safetensors"))[0]
     st = f.stat()
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    _, reused4 = ix.cached_index(ckpt, 2)
+    _, reused4 = ixb.cached_index(ckpt, 2)
     assert not reused4
 
 
@@ -132,6 +133,8 @@ def test_cli_index_json_and_cache(ckpt, tmp_path, monkeypatch):
         (["--tp", "8"], "128"),
         (["--tp", "2", "--layers", "0"], "--layers 0"),
         (["--tp", "2", "--layers", "x"], "--layers"),
+        (["--tp", "2", "--layers", "3-1"], "range end is below its start"),  # was a silent 0-row index
+        (["--tp", "2", "--layers", "0-1000000000"], "ids must be below"),  # checked, never expanded
     ],
 )
 def test_cli_index_bad_options_are_one_line(ckpt, tmp_path, args, needle):
@@ -160,3 +163,19 @@ def test_not_an_index(tmp_path):
     p.write_bytes(b"garbage")
     with pytest.raises(MoetraceError, match="x.parquet"):
         ix.read_index(p)
+
+
+def test_index_of_another_version_says_what_it_found_and_how_to_rebuild(ckpt, tmp_path):
+    import json
+
+    table = ixb.build_index(ckpt, 2, layers=[2])
+    for key, value, words in (("schema_version", 1, "index schema version 1, this moetrace reads version 2"),
+                              ("fp_version", 0, "fingerprint version 0")):
+        meta = json.loads(table.schema.metadata[ix.INDEX_META_KEY])
+        meta[key] = value
+        old = ix.write_index(table.replace_schema_metadata({ix.INDEX_META_KEY: json.dumps(meta).encode()}),
+                             tmp_path / f"{key}.parquet")
+        for read in (ix.read_index, ix.index_metadata):
+            with pytest.raises(MoetraceError) as ei:
+                read(old)
+            assert words in str(ei.value) and "rebuild it with `moetrace index`" in str(ei.value)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from moetrace import selftest as st
+from moetrace.jobs import selftest as st
 from moetrace.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

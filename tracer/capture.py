@@ -20,16 +20,12 @@ from typing import Mapping, Sequence
 import torch
 
 from moetrace.tracer.config import TraceConfig
-from moetrace.tracer.fingerprint import finalize, row_bytes, row_lanes
+from moetrace.fingerprint import finalize, row_bytes, row_lanes
 from moetrace.tracer.online import MISMATCH, OnlineIndex
-from moetrace.tracer.schema import TENSOR_NAMES
-from moetrace.tracer.sink import CaptureBatch, RankInfo, TraceSink
+from moetrace.schema import TENSOR_NAMES, RankIdentity, dtype_name
+from moetrace.tracer.sink import CaptureBatch, TraceSink
 
 log = logging.getLogger("moetrace.capture")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def cuda_graph_capturing() -> bool:
@@ -88,7 +84,7 @@ class Tracer:
         self.disabled_reason: str | None = None
         self._lock = threading.RLock()
         self._event_lock = threading.RLock()  # a capture event is queued whole or not at all
-        self._load_seq = 0
+        self._capture_seq = 0
         self._logged: set[str] = set()
         self._ranks_reported = False
         self.verifier, index_error = None, None
@@ -110,7 +106,7 @@ class Tracer:
             flush_interval_s=config.flush_interval_s,
             queue_size=config.queue_size,
             queue_max_bytes=config.queue_max_bytes,
-            chunk_fps=config.chunk_fps,
+            chunk_digests=config.chunk_digests,
             verifier=self.verifier,
             dump_max_count=config.dump_max_count,
             dump_max_bytes=config.dump_max_bytes,
@@ -150,48 +146,48 @@ class Tracer:
         step: int,
         experts: Sequence[int],
         local_experts: Sequence[int] | None = None,
-        orders: Sequence[int] | None = None,
-        ranks: RankInfo | None = None,
+        positions: Sequence[int] | None = None,
+        ranks: RankIdentity | None = None,
     ) -> int:
         """Queue one capture event; returns the rows submitted (0 when sampled out)."""
         with self._event_lock:
             if not self.enabled or not self.sampling.want(source, step, layer):
                 return 0
-            return self._capture(tensors, layer, source, step, experts, local_experts, orders, ranks)
+            return self._capture(tensors, layer, source, step, experts, local_experts, positions, ranks)
 
-    def _capture(self, tensors, layer, source, step, experts, local_experts, orders, ranks) -> int:
+    def _capture(self, tensors, layer, source, step, experts, local_experts, positions, ranks) -> int:
         experts = [int(e) for e in experts]
         local_experts = list(range(len(experts))) if local_experts is None else [int(e) for e in local_experts]
-        orders = list(local_experts) if orders is None else [int(o) for o in orders]
-        pos = self.sampling.expert_positions(experts)
-        if pos is not None:
-            if not pos:
+        positions = list(local_experts) if positions is None else [int(o) for o in positions]
+        keep = self.sampling.expert_positions(experts)
+        if keep is not None:
+            if not keep:
                 return 0
-            experts = [experts[i] for i in pos]
-            local_experts = [local_experts[i] for i in pos]
-            orders = [orders[i] for i in pos]
-        ranks = ranks or RankInfo(self.tp_size, self.tp_rank, 1, 0, self.tp_size, self.tp_rank)
+            experts = [experts[i] for i in keep]
+            local_experts = [local_experts[i] for i in keep]
+            positions = [positions[i] for i in keep]
+        ranks = ranks or RankIdentity(self.tp_size, self.tp_rank, 1, 0, self.tp_size, self.tp_rank)
         if not self._ranks_reported:
             self._ranks_reported = True
             self.sink.update(ep_size=ranks.ep_size, ep_rank=ranks.ep_rank,
                              moe_tp_size=ranks.moe_tp_size, moe_tp_rank=ranks.moe_tp_rank)
         with self._lock:
-            seq = self._load_seq
-            self._load_seq += 1
+            seq = self._capture_seq
+            self._capture_seq += 1
         t_ns = time.time_ns()
         submitted = 0
         for name, t in tensors.items():
             if name not in TENSOR_NAMES or not self.sampling.want_tensor(name):
                 continue
             data = t.detach()
-            if pos is not None and len(pos) != data.shape[0]:
-                data = data.index_select(0, torch.as_tensor(pos, device=data.device))
+            if keep is not None and len(keep) != data.shape[0]:
+                data = data.index_select(0, torch.as_tensor(keep, device=data.device))
             rows = row_bytes(data)
             lanes, ready = self._lanes(rows)
             batch = CaptureBatch(
-                ranks=ranks, step=step, source=source, load_seq=seq, layer=int(layer), tensor=name,
+                ranks=ranks, step=step, source=source, capture_seq=seq, layer=int(layer), tensor=name,
                 dtype=dtype_name(data.dtype), shape=list(data.shape[1:]), nbytes=int(rows.shape[1]),
-                experts=experts, local_experts=local_experts, orders=orders, time_ns=t_ns,
+                experts=experts, local_experts=local_experts, positions=positions, time_ns=t_ns,
                 lanes=lanes, ready=ready,
             )
             if self._sync_verify:

@@ -41,7 +41,7 @@ class TraceConfig:
     run_id: str = ""
     checkpoint_id: str | None = None
     sampling: Sampling = field(default_factory=Sampling)
-    chunk_fps: str = "all"  # which rows carry chunk fingerprints: all | mismatch | none
+    chunk_digests: str = "all"  # which rows carry chunk fingerprints: all | mismatch | none
     index: str | None = None  # index Parquet path/URL for online verification
     dump_max_count: int = 0  # mismatching tensors to dump as safetensors (0: off)
     dump_max_bytes: int = 256 << 20
@@ -78,8 +78,8 @@ class TraceConfig:
         return conf._checked()
 
     def _checked(self) -> "TraceConfig":
-        if self.chunk_fps not in CHUNK_FP_MODES:
-            raise MoetraceError(f"chunk_fps: {self.chunk_fps!r}; expected one of {list(CHUNK_FP_MODES)}")
+        if self.chunk_digests not in CHUNK_FP_MODES:
+            raise MoetraceError(f"chunk_digests: {self.chunk_digests!r}; expected one of {list(CHUNK_FP_MODES)}")
         if self.kt not in KT_MODES:
             raise MoetraceError(f"kt: {self.kt!r}; expected \"auto\", true or false")
         for name in ("queue_size", "rows_per_part"):
@@ -92,8 +92,8 @@ class TraceConfig:
             raise MoetraceError(f"max_hook_errors: must be >= 1 or null, got {self.max_hook_errors}")
         if self.flush_interval_s <= 0:
             raise MoetraceError(f"flush_interval_s: must be > 0, got {self.flush_interval_s}")
-        if self.chunk_fps == "mismatch" and not self.index:
-            raise MoetraceError("chunk_fps=mismatch needs an index (online verification) to know what mismatches")
+        if self.chunk_digests == "mismatch" and not self.index:
+            raise MoetraceError("chunk_digests=mismatch needs an index (online verification) to know what mismatches")
         if self.dump_max_count and not self.index:
             raise MoetraceError("dump_max_count > 0 needs an index (online verification) to know what mismatches")
         run_id = self.run_id or default_run_id()

@@ -1,10 +1,11 @@
-"""Per-rank and per-run manifests: JSON beside the Parquet parts.
+"""Per-rank and per-run manifests, and the one rule that says whether a trace is whole.
 
 ``OUT/<run_id>/rank=<r>/_manifest.json`` is owned by that rank's writer and
 rewritten atomically after every part and at close; ``finished`` turns true
 only on a clean close, so a killed rank leaves ``finished: false`` and an
 audit can refuse the trace. ``OUT/<run_id>/_run.json`` is written by
-``moetrace launch``. docs/capture.md lists every field.
+``moetrace launch``. ``rank_problems`` / ``run_problems`` are the completeness
+rule the launcher and the analysis both apply. docs/capture.md lists every field.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import platform
 import socket
 from importlib import metadata
 
-from moetrace import __version__
-from moetrace.tracer.fingerprint import CHUNK_BYTES, FP_VERSION
-from moetrace.tracer.schema import MANIFEST_SCHEMA_VERSION, TRACE_SCHEMA_VERSION
+from moetrace import __version__, storage
+from moetrace.fingerprint import CHUNK_BYTES, FP_VERSION
+from moetrace.schema import MANIFEST_SCHEMA_VERSION, TRACE_SCHEMA_VERSION
 
 MANIFEST_NAME = "_manifest.json"
 RUN_MANIFEST_NAME = "_run.json"
@@ -101,3 +102,146 @@ def new_rank_manifest(run_id: str, tp_rank: int, tp_size: int, config: dict, che
         "dumps": {"count": 0, "bytes": 0, "skipped": 0, "files": []},
         "parts": [],
     }
+
+
+def new_run_manifest(run_id: str, out: str, **fields) -> dict:
+    """The run manifest ``moetrace launch`` writes before the server starts (finished:
+    false); ``fields`` fill in the launch facts (command, versions, expected ranks...)."""
+    doc = {
+        "kind": "run",
+        "schema_version": MANIFEST_SCHEMA_VERSION,
+        "run_id": run_id,
+        "out": out,
+        "host": socket.gethostname(),
+        "launcher_pid": os.getpid(),
+        "moetrace": __version__,
+        "sglang_version": None,
+        "sglang_version_source": None,
+        "cuda_graph_flags": [],
+        "user_command": [],
+        "command": [],
+        "hook_spec": [],
+        "expected_ranks": None,
+        "tp_size": None,
+        "ep_size": None,
+        "checkpoint_id": None,
+        "started_at": utc_now(),
+        "finished_at": None,
+        "finished": False,
+        "server_pid": None,
+        "server_exit_code": None,
+        "stop_signal": None,
+        "stop_reason": None,
+        "ranks_closed_before_stop": None,
+        "ranks": [],
+        "complete": False,
+        "problems": [],
+    }
+    unknown = set(fields) - set(doc)
+    if unknown:
+        raise KeyError(f"not run manifest fields: {sorted(unknown)}")
+    doc.update(fields)
+    return doc
+
+
+# ---------------------------------------------------------------- completeness
+
+
+def _count(m: dict, key: str) -> int:
+    v = m.get(key) or 0
+    return len(v) if isinstance(v, list) else int(v)
+
+
+def rank_problems(m: dict) -> list[str]:
+    """Why one rank's manifest does not describe a whole trace, one phrase each
+    ("did not finish its trace ..."); empty when it does. A rank that wrote 0 rows
+    is a problem even when its sampling legitimately kept nothing: an audit of it
+    would check nothing."""
+    problems = []
+    if m.get("disabled"):
+        problems.append(f"disabled tracing ({m.get('disabled_reason') or 'no reason recorded'})")
+    elif not m.get("finished"):
+        problems.append("did not finish its trace (finished: false)")
+    dropped = _count(m, "rows_dropped")
+    if dropped:
+        drops = m.get("drops") or {}
+        why = ", ".join(f"{k}: {v:,}" for k, v in sorted(drops.items()) if v) or "reason not recorded"
+        problems.append(f"dropped {dropped:,} rows ({why})")
+    for key, word in (("hook_errors", "hook"), ("sink_errors", "sink")):
+        n = _count(m, key)
+        if n:
+            problems.append(f"had {n:,} {word} errors")
+    if not _count(m, "rows_written"):
+        problems.append("wrote 0 rows (nothing captured: check the sampling filters and that traffic reached the server)")
+    return problems
+
+
+def server_problem(exit_code: int | None, stop_requested: bool) -> str | None:
+    """A server that exited non-zero when nobody asked it to stop crashed or never
+    started: its trace is not the run that was asked for."""
+    if exit_code is None or exit_code == 0 or stop_requested:
+        return None
+    how = f"signal {-exit_code}" if exit_code < 0 else f"code {exit_code}"
+    return f"the server exited on its own with {how} (start-up failure or crash; see its log)"
+
+
+def run_problems(manifests: dict[int, dict], expected_ranks: int | None, *, server_started: bool = True,
+                 server_exit_code: int | None = None, stop_requested: bool = False) -> list[str]:
+    """Why a run is not a whole trace, one sentence per reason (empty: whole).
+    ``expected_ranks``: the rank count the server was started with (None: the
+    tp_size the manifests agree on)."""
+    problems: list[str] = []
+    if not server_started:
+        problems.append("the server did not start")
+    server = server_problem(server_exit_code, stop_requested)
+    if server:
+        problems.append(server)
+    if not manifests:
+        problems.append("no rank wrote a manifest (the hooks never started: check the server log for 'moetrace')")
+        return problems
+    n = expected_rank_count(manifests, expected_ranks)
+    if n is not None:
+        missing = [r for r in range(n) if r not in manifests]
+        extra = [r for r in manifests if r >= n]
+        if missing:
+            problems.append(f"{n - len(missing)}/{n} ranks reported (no manifest from rank {_ids(missing)})")
+        if extra:
+            problems.append(f"manifests from unexpected rank {_ids(extra)} (expected ranks 0-{n - 1})")
+    for r, m in manifests.items():
+        problems += [f"rank {r} {p}" for p in rank_problems(m)]
+    return problems
+
+
+def common_value(manifests: dict[int, dict], key: str):
+    """The value of `key` every manifest that has it agrees on, else None."""
+    vals = {m.get(key) for m in manifests.values()} - {None}
+    return next(iter(vals)) if len(vals) == 1 else None
+
+
+def expected_rank_count(manifests: dict[int, dict], expected_ranks: int | None) -> int | None:
+    """The rank count to expect: the server command's --tp, else the tp_size the
+    manifests agree on, else unknown."""
+    if expected_ranks is not None:
+        return expected_ranks
+    tp = common_value(manifests, "tp_size")
+    return tp if isinstance(tp, int) and tp > 0 else None
+
+
+def _ids(ranks) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def read_manifests(out: str, run_id: str) -> dict[int, dict]:
+    """{tp_rank: manifest} of every rank folder of a run that has one."""
+    fs, base = storage.open_fs(out)
+    run_dir = storage.join(base, run_id)
+    found: dict[int, dict] = {}
+    for info in storage.list_dir(fs, run_dir):
+        if info.base_name.startswith("rank="):
+            path = storage.join(info.path, MANIFEST_NAME)
+            if storage.exists(fs, path):
+                try:
+                    found[int(info.base_name[5:])] = storage.read_json(fs, path)
+                except (ValueError, OSError):
+                    continue
+    return dict(sorted(found.items()))

@@ -8,52 +8,11 @@ policy picks the same entries on every rank.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from moetrace.errors import MoetraceError
-from moetrace.tracer.schema import COPY_ORDER_BF16, TENSOR_NAMES
-
-SOURCES = ("resident", "staged")
-# FusedMoE param names a capture can hold (FP8 block, FP8 per-channel, BF16).
-KNOWN_TENSORS = tuple(dict.fromkeys(TENSOR_NAMES + COPY_ORDER_BF16))
-_ID_OR_RANGE = re.compile(r"^(-?\d+)(?:\s*-\s*(-?\d+))?$")
-
-
-def parse_int_set(value, what: str) -> frozenset[int] | None:
-    """None | "all" | "0,2,5-7" | [0, 2, "5-7"] -> frozenset of ints (None = all)."""
-    if value is None or value == "all":
-        return None
-    if isinstance(value, str):
-        items: Iterable = value.split(",")
-    elif isinstance(value, (list, tuple, set, frozenset, range)):
-        items = value
-    else:
-        items = [value]  # a lone int (JSON `"layers": 3`); anything else is refused below
-    out: set[int] = set()
-    for item in items:
-        if isinstance(item, bool) or not isinstance(item, (int, str)):
-            raise MoetraceError(f"{what}: {item!r} is not an integer or range like 4-7")
-        if isinstance(item, int):
-            out.add(item)
-            continue
-        text = item.strip()
-        if not text:
-            continue
-        m = _ID_OR_RANGE.match(text)
-        if not m:
-            raise MoetraceError(f"{what}: {text!r} is not an integer or range like 4-7")
-        lo = int(m.group(1))
-        hi = lo if m.group(2) is None else int(m.group(2))
-        if lo < 0 or hi < 0:
-            raise MoetraceError(f"{what}: {text!r}: ids must be >= 0")
-        if hi < lo:
-            raise MoetraceError(f"{what}: {text!r}: range end is below its start (write {hi}-{lo})")
-        out.update(range(lo, hi + 1))
-    if any(v < 0 for v in out):
-        raise MoetraceError(f"{what}: ids must be >= 0, got {sorted(v for v in out if v < 0)}")
-    return frozenset(out)
+from moetrace.schema import SOURCES, TENSOR_NAMES, parse_ids
 
 
 def _names(value, what: str) -> frozenset[str] | None:
@@ -98,9 +57,9 @@ class Sampling:
         if bad:
             raise MoetraceError(f"sources: unknown {sorted(bad)}; expected a subset of {list(SOURCES)}")
         if self.tensors is not None:
-            bad = set(self.tensors) - set(KNOWN_TENSORS)
+            bad = set(self.tensors) - set(TENSOR_NAMES)
             if bad:
-                raise MoetraceError(f"tensors: unknown {sorted(bad)}; expected a subset of {list(KNOWN_TENSORS)}")
+                raise MoetraceError(f"tensors: unknown {sorted(bad)}; expected a subset of {list(TENSOR_NAMES)}")
         for what, ids in (("layers", self.layers), ("experts", self.experts)):
             if ids is not None and any(v < 0 for v in ids):
                 raise MoetraceError(f"{what}: ids must be >= 0, got {sorted(v for v in ids if v < 0)}")
@@ -111,8 +70,8 @@ class Sampling:
         sources = _names(cfg.get("sources"), "sources")
         every = _int_or_none(cfg.get("every_n_steps"), "every_n_steps")
         return cls(
-            layers=parse_int_set(cfg.get("layers"), "layers"),
-            experts=parse_int_set(cfg.get("experts"), "experts"),
+            layers=parse_ids(cfg.get("layers"), "layers"),
+            experts=parse_ids(cfg.get("experts"), "experts"),
             tensors=tensors,
             sources=sources if sources is not None else frozenset(SOURCES),
             every_n_steps=1 if every is None else every,

@@ -31,35 +31,25 @@ import pyarrow.parquet as pq
 import torch
 
 from moetrace.errors import MoetraceError
-from moetrace.tracer import storage
-from moetrace.tracer.fingerprint import Fingerprint, finalize
+from moetrace import storage
+from moetrace.fingerprint import Fingerprint, finalize
 from moetrace.tracer.manifest import MANIFEST_NAME, new_rank_manifest, rank_dir_name, utc_now
 from moetrace.tracer.online import OnlineIndex
-from moetrace.tracer.schema import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, copy_order
+from moetrace.schema import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RankIdentity, copy_position
 
 log = logging.getLogger("moetrace.sink")
 
 _TICK_S = 0.25  # writer wake-up period (control file, flush deadline)
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    tp_size: int = 1
-    tp_rank: int = 0
-    ep_size: int = 1
-    ep_rank: int = 0
-    moe_tp_size: int = 1
-    moe_tp_rank: int = 0
-
-
 @dataclass
 class CaptureBatch:
     """All captured experts of one parameter in one capture event."""
 
-    ranks: RankInfo
+    ranks: RankIdentity
     step: int
     source: str  # "resident" | "staged"
-    load_seq: int
+    capture_seq: int
     layer: int
     tensor: str
     dtype: str
@@ -67,7 +57,7 @@ class CaptureBatch:
     nbytes: int  # per expert
     experts: list[int]  # global ids, one per row
     local_experts: list[int]
-    orders: list[int]  # transport order per row
+    positions: list[int]  # transport_position per row
     time_ns: int
     lanes: np.ndarray | torch.Tensor | None = None  # [rows, chunks, 4] on the host
     ready: object | None = None  # torch.cuda.Event to wait on before reading lanes
@@ -108,7 +98,7 @@ class TraceSink:
         flush_interval_s: float = 5.0,
         queue_size: int = 1024,
         queue_max_bytes: int = 256 << 20,
-        chunk_fps: str = "all",
+        chunk_digests: str = "all",
         verifier: OnlineIndex | None = None,
         dump_max_count: int = 0,
         dump_max_bytes: int = 256 << 20,
@@ -125,7 +115,7 @@ class TraceSink:
             raise MoetraceError(f"output {out}: cannot create {self.rank_dir} ({err})") from None
         self.rows_per_part = int(rows_per_part)
         self.flush_interval_s = float(flush_interval_s)
-        self.chunk_fps = chunk_fps
+        self.chunk_digests = chunk_digests
         self.verifier = verifier
         self.dump_max_count = int(dump_max_count)
         self.dump_max_bytes = int(dump_max_bytes)
@@ -313,9 +303,9 @@ class TraceSink:
                 online = self.verifier.verdicts(b.layer, b.experts, b.tensor, digests)
             if online is None:
                 online = [None] * b.n_rows
-            if self.chunk_fps == "all":
+            if self.chunk_digests == "all":
                 chunks = [f.chunk_digests for f in fps]
-            elif self.chunk_fps == "mismatch":
+            elif self.chunk_digests == "mismatch":
                 chunks = [f.chunk_digests if v != "match" else None for f, v in zip(fps, online)]
             else:
                 chunks = [None] * b.n_rows
@@ -332,18 +322,18 @@ class TraceSink:
                 "moe_tp_rank": [r.moe_tp_rank] * n,
                 "step": [b.step] * n,
                 "source": [b.source] * n,
-                "load_seq": [b.load_seq] * n,
-                "transport_order": b.orders,
+                "capture_seq": [b.capture_seq] * n,
+                "transport_position": b.positions,
                 "layer": [b.layer] * n,
                 "expert": b.experts,
                 "local_expert": b.local_experts,
                 "tensor": [b.tensor] * n,
-                "copy_order": [copy_order(b.tensor)] * n,
+                "copy_position": [copy_position(b.tensor)] * n,
                 "dtype": [b.dtype] * n,
                 "shape": [b.shape] * n,
                 "nbytes": [b.nbytes] * n,
-                "fp": digests,
-                "chunk_fps": chunks,
+                "digest": digests,
+                "chunk_digests": chunks,
                 "online": online,
                 "time_ns": [b.time_ns] * n,
             }
@@ -365,12 +355,12 @@ class TraceSink:
     def _dump(self, b: CaptureBatch, expert: int, tensor: torch.Tensor, want: bytes | None, got: bytes) -> None:
         from safetensors.torch import save
 
-        name = f"step{b.step}-L{b.layer}-E{expert}-{b.tensor}-{b.source}-seq{b.load_seq}.safetensors"
+        name = f"step{b.step}-L{b.layer}-E{expert}-{b.tensor}-{b.source}-seq{b.capture_seq}.safetensors"
         path = storage.join(self.rank_dir, "dumps", name)
         meta = {
             "run_id": self._m["run_id"], "tp_rank": str(b.ranks.tp_rank), "step": str(b.step), "layer": str(b.layer),
-            "expert": str(expert), "tensor": b.tensor, "source": b.source, "load_seq": str(b.load_seq),
-            "fp": got.hex(), "expected_fp": want.hex() if want else "",
+            "expert": str(expert), "tensor": b.tensor, "source": b.source, "capture_seq": str(b.capture_seq),
+            "digest": got.hex(), "expected_digest": want.hex() if want else "",
         }
         try:
             data = save({b.tensor: tensor.contiguous()}, metadata=meta)
@@ -458,38 +448,3 @@ class TraceSink:
             snap["dumps"] = {**self._m["dumps"], "files": list(self._m["dumps"]["files"])}
             snap["notes"] = list(self._m["notes"])
         storage.write_json(self.fs, storage.join(self.rank_dir, MANIFEST_NAME), snap)
-
-
-def read_trace(out: str, run_id: str, rank: int | None = None) -> pa.Table:
-    """All complete parts of a run (one rank or all), as one TRACE_SCHEMA table."""
-    fs, base = storage.open_fs(out)
-    run_dir = storage.join(base, run_id)
-    dirs = [storage.join(run_dir, rank_dir_name(rank))] if rank is not None else [
-        i.path for i in storage.list_dir(fs, run_dir) if i.base_name.startswith("rank=")
-    ]
-    tables = []
-    for d in sorted(dirs):
-        for info in sorted(storage.list_dir(fs, d), key=lambda i: i.base_name):
-            if info.base_name.startswith("part-") and info.base_name.endswith(".parquet"):
-                with fs.open_input_file(info.path) as f:
-                    tables.append(pq.read_table(f, schema=TRACE_SCHEMA))
-    if not tables:
-        return TRACE_SCHEMA.empty_table()
-    return pa.concat_tables(tables)
-
-
-def read_manifests(out: str, run_id: str) -> dict[int, dict]:
-    """{tp_rank: manifest} of every rank folder of a run that has one."""
-    fs, base = storage.open_fs(out)
-    run_dir = storage.join(base, run_id)
-    found: dict[int, dict] = {}
-    for info in storage.list_dir(fs, run_dir):
-        if info.base_name.startswith("rank="):
-            path = storage.join(info.path, MANIFEST_NAME)
-            if storage.exists(fs, path):
-                try:
-                    found[int(info.base_name[5:])] = storage.read_json(fs, path)
-                except (ValueError, OSError):
-                    continue
-    return dict(sorted(found.items()))
-

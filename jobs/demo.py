@@ -43,7 +43,8 @@ def demo_requests(size: DemoSize) -> list[dict]:
 def _prepare(workdir: Path, size: DemoSize, echo: Callable[[str], None]) -> tuple[Path, Path, str]:
     from moetrace.checkpoints.reader import open_checkpoint
     from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
-    from moetrace.tracer.index import build_index, write_index
+    from moetrace.checkpoints.index import write_index
+    from moetrace.checkpoints.index_build import build_index
 
     ckpt = workdir / "checkpoint"
     if not (ckpt / "config.json").exists():

@@ -16,8 +16,9 @@ import pyarrow.fs as pafs
 from moetrace.errors import MoetraceError
 
 
-def open_fs(out: str) -> tuple[pafs.FileSystem, str]:
-    """out (a folder or URL) -> (filesystem, base path inside it)."""
+def open_fs(out: str, what: str = "output") -> tuple[pafs.FileSystem, str]:
+    """out (a folder or URL) -> (filesystem, base path inside it); `what` names the
+    option in the error ("output", "trace", "index")."""
     out = str(out)
     if "://" not in out:
         return pafs.LocalFileSystem(), os.path.abspath(out)
@@ -33,7 +34,7 @@ def open_fs(out: str) -> tuple[pafs.FileSystem, str]:
         fsspec_fs, path = fsspec.core.url_to_fs(out)
         return PyFileSystem(FSSpecHandler(fsspec_fs)), path.rstrip("/")
     except Exception:
-        raise MoetraceError(f"output {out}: no pyarrow or fsspec filesystem for this URL ({first})") from None
+        raise MoetraceError(f"{what} {out}: no pyarrow or fsspec filesystem for this URL ({first})") from None
 
 
 def join(*parts: str) -> str:

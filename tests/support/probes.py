@@ -1,7 +1,7 @@
-"""A ``--forward-hooks`` factory for self-tests: records what the hooks see.
+"""``--forward-hooks`` factories for tests: record what the hooks see (tests only).
 
     {"name": "probe", "target_modules": ["model.layers.*.mlp.experts"],
-     "hook_factory": "moetrace.emulator.testing:record_calls",
+     "hook_factory": "support.probes:record_calls",
      "config": {"out": "/tmp/probe"}}
 
 Each rank appends JSON lines to ``<out>/rank<r>.jsonl``: one ``factory`` line

@@ -24,8 +24,9 @@ from typing import Callable
 
 import torch
 
-from moetrace.timing import best_of
-from moetrace.tracer import fingerprint as F
+from moetrace.jobs.timing import best_of
+from moetrace import fingerprint as F
+from moetrace.schema import dtype_name
 
 # Hooks for tests that must see each proof fail: set by monkeypatching, never by users.
 _SABOTAGE: dict[str, bool] = {}
@@ -83,10 +84,6 @@ def _agreement_cases(quick: bool) -> list[tuple[str, torch.Tensor]]:
         cases.append((f"{dtype_name(dtype)}[37,129].T (non-contiguous)", mat.t()))
         cases.append((f"{dtype_name(dtype)}[37,129][:, 3:100] (strided)", mat[:, 3:100]))
     return cases
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def prove_fingerprint(device: str, quick: bool) -> Proof:
@@ -208,7 +205,7 @@ def _capture_cost(dev: torch.device, quick: bool, sync) -> dict:
 def prove_detector(device: str, quick: bool, workdir: Path) -> Proof:
     def run():
         check_device(device)
-        from moetrace import demo
+        from moetrace.jobs import demo
 
         res = demo.detector_proof(workdir, device=device, quick=quick, sabotage=dict(_SABOTAGE))
         return res["ok"], res["detail"], res

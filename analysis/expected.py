@@ -1,0 +1,86 @@
+"""The expected side of the analysis: the index as numpy columns, sorted by key.
+
+Read through the one index reader (checkpoints.index), which checks the schema and
+fingerprint versions; tensor and dtype names become the trace's ``Vocab`` codes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from moetrace.analysis.trace import Vocab, digest_columns
+from moetrace.checkpoints.index import INDEX_META_KEY, read_index
+from moetrace.errors import MoetraceError
+
+INDEX_COLUMNS = ["tp_rank", "layer", "expert", "tensor", "copy_position", "dtype", "nbytes", "digest", "chunk_digests"]
+
+
+@dataclass
+class IndexData:
+    """Expected digests, sorted by (tp_rank, layer, expert, tensor)."""
+
+    path: str
+    checkpoint_id: str
+    tp_size: int
+    ep_size: int
+    rank: np.ndarray
+    layer: np.ndarray
+    expert: np.ndarray
+    tensor: np.ndarray
+    copy_position: np.ndarray
+    dtype: np.ndarray
+    nbytes: np.ndarray
+    hi: np.ndarray
+    lo: np.ndarray
+    chunk_digests: pa.Array | None  # in file order; chunk_digests_of() maps sorted positions
+    order: np.ndarray | None = None  # sorted position -> file row
+
+    @property
+    def n(self) -> int:
+        return len(self.layer)
+
+    def chunk_digests_of(self, positions: np.ndarray) -> pa.Array:
+        rows = positions if self.order is None else self.order[positions]
+        return self.chunk_digests.take(pa.array(rows))
+
+
+def read_expected(path: str, tensors: Vocab, dtypes: Vocab, layers: set[int] | None = None) -> IndexData:
+    """The index at `path` (local or URL) as sorted numpy columns, coded with the
+    trace's vocabularies; only `layers` when given."""
+    t = read_index(path, columns=INDEX_COLUMNS)
+    if t.num_rows == 0:
+        raise MoetraceError(f"index {path} has no rows")
+    meta = _meta(t)
+    rank = t.column("tp_rank").to_numpy().astype(np.int64)
+    layer = t.column("layer").to_numpy().astype(np.int64)
+    expert = t.column("expert").to_numpy().astype(np.int64)
+    tensor = tensors.codes_of(t.column("tensor"), np.int16).astype(np.int64)
+    keep = np.ones(len(layer), dtype=bool)
+    if layers is not None:
+        keep = np.isin(layer, np.array(sorted(layers), dtype=np.int64))
+    order = np.lexsort((tensor, expert, layer, rank))
+    order = order[keep[order]]
+    hi, lo = digest_columns(t.column("digest"))
+    chunk = t.column("chunk_digests").combine_chunks() if "chunk_digests" in t.column_names else None
+    idx = IndexData(
+        path=path, checkpoint_id=str(meta["checkpoint_id"]), tp_size=int(meta["tp_size"]),
+        ep_size=int(meta.get("ep_size") or 1),
+        rank=rank[order], layer=layer[order], expert=expert[order], tensor=tensor[order],
+        copy_position=t.column("copy_position").to_numpy().astype(np.int64)[order],
+        dtype=dtypes.codes_of(t.column("dtype"), np.int16)[order],
+        nbytes=t.column("nbytes").to_numpy().astype(np.int64)[order],
+        hi=hi[order], lo=lo[order],
+        chunk_digests=chunk, order=order,
+    )
+    key = np.stack([idx.rank, idx.layer, idx.expert, idx.tensor], axis=1)
+    if len(key) > 1 and (np.diff(key, axis=0) == 0).all(axis=1).any():
+        raise MoetraceError(f"index {path} has duplicate (tp_rank, layer, expert, tensor) entries")
+    return idx
+
+
+def _meta(t: pa.Table) -> dict:
+    return json.loads((t.schema.metadata or {})[INDEX_META_KEY])

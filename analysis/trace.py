@@ -1,0 +1,308 @@
+"""Read trace rows for the analysis: only the columns the verdicts need, into numpy.
+
+Strings are read as dictionaries and turned into small integer codes per part
+(``Vocab``); the 16-byte digest becomes two int64 columns. ``chunk_digests`` is
+never read here: ``read_chunk_digests`` fetches it later for the few rows that need it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from moetrace.analysis.discovery import RunInfo, discover, load_runs
+from moetrace.errors import MoetraceError
+from moetrace.schema import SOURCES, TENSOR_NAMES, TRACE_SCHEMA_VERSION
+
+TRACE_COLUMNS = [
+    "schema_version", "run_id", "tp_size", "tp_rank", "ep_size", "step", "source", "capture_seq",
+    "transport_position", "layer", "expert", "tensor", "copy_position", "dtype", "nbytes", "digest",
+]
+_DICT_COLUMNS = ["run_id", "source", "tensor", "dtype"]
+
+
+class Vocab:
+    """String <-> small int codes shared by the trace and the index of one analysis."""
+
+    def __init__(self, initial: Iterable[str] = ()):
+        self._lock = threading.Lock()
+        self.names: list[str] = []
+        self._codes: dict[str, int] = {}
+        for name in initial:
+            self.code(name)
+
+    def code(self, name: str) -> int:
+        c = self._codes.get(name)
+        if c is None:
+            with self._lock:
+                c = self._codes.get(name)
+                if c is None:
+                    c = self._codes[name] = len(self.names)
+                    self.names.append(name)
+        return c
+
+    def codes_of(self, arr: pa.ChunkedArray | pa.Array, dtype=np.int16) -> np.ndarray:
+        """Codes for a (dictionary or plain) string column, vectorized per chunk."""
+        chunks = arr.chunks if isinstance(arr, pa.ChunkedArray) else [arr]
+        out = []
+        for ch in chunks:
+            if not pa.types.is_dictionary(ch.type):
+                ch = ch.dictionary_encode()
+            mapping = np.array([self.code(s) for s in ch.dictionary.to_pylist()] or [0], dtype=dtype)
+            idx = ch.indices.to_numpy(zero_copy_only=False)
+            out.append(mapping[idx])
+        return np.concatenate(out) if out else np.zeros(0, dtype=dtype)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def digest_columns(arr: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """16-byte digests -> (first 8 bytes, last 8 bytes) as int64 arrays."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    if len(arr) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if not pa.types.is_fixed_size_binary(arr.type) or arr.type.byte_width != 16:
+        arr = arr.cast(pa.binary(16))
+    buf = arr.buffers()[1]
+    words = np.frombuffer(buf, dtype="<i8", count=2 * (arr.offset + len(arr)))[2 * arr.offset :].reshape(-1, 2)
+    return np.ascontiguousarray(words[:, 0]), np.ascontiguousarray(words[:, 1])
+
+
+def digest_pair(digest: bytes) -> tuple[int, int]:
+    a = np.frombuffer(digest, dtype="<i8")
+    return int(a[0]), int(a[1])
+
+
+def pair_to_hex(hi: int, lo: int) -> str:
+    return np.array([hi, lo], dtype="<i8").tobytes().hex()
+
+
+
+# ---------------------------------------------------------------- trace rows
+
+
+@dataclass
+class TraceData:
+    """Columns of every readable trace row, as numpy arrays (one entry per row)."""
+
+    runs: list[RunInfo]
+    cols: dict[str, np.ndarray]
+    run_ids: Vocab
+    tensors: Vocab
+    dtypes: Vocab
+    parts: list[tuple[pafs.FileSystem, str]]  # part id -> (fs, path)
+    skipped_parts: list[tuple[str, str]]  # (path, reason)
+
+    @property
+    def n(self) -> int:
+        return len(self.cols["layer"])
+
+
+# output columns of read_trace and their dtypes
+COL_DTYPES = {
+    "run": np.int16, "rank": np.int16, "step": np.int64, "source": np.int8, "capture_seq": np.int64,
+    "transport_position": np.int32, "layer": np.int32, "expert": np.int32, "tensor": np.int16, "copy_position": np.int8,
+    "dtype": np.int16, "nbytes": np.int64, "hi": np.int64, "lo": np.int64, "part": np.int32, "row": np.int32,
+}
+_NUMERIC = {"rank": "tp_rank", "step": "step", "capture_seq": "capture_seq", "transport_position": "transport_position",
+            "layer": "layer", "expert": "expert", "copy_position": "copy_position", "nbytes": "nbytes"}
+
+
+def _open_parquet(path: str, fs, dict_columns: list[str]) -> pq.ParquetFile:
+    """ParquetFile reading `dict_columns` as dictionaries (those it has)."""
+    try:
+        return pq.ParquetFile(path, filesystem=fs, read_dictionary=dict_columns)
+    except KeyError:  # a listed column is absent: the caller reports what is missing
+        pf = pq.ParquetFile(path, filesystem=fs)
+        have = [c for c in dict_columns if c in pf.schema_arrow.names]
+        return pq.ParquetFile(path, filesystem=fs, read_dictionary=have) if have else pf
+
+
+class _SchemaVersion(Exception):
+    def __init__(self, path: str, versions: list[int]):
+        self.path, self.versions = path, versions
+
+
+def _check_columns(pf: pq.ParquetFile, path: str) -> None:
+    names = set(pf.schema_arrow.names)
+    missing = [c for c in TRACE_COLUMNS if c not in names]
+    if missing:
+        if "schema_version" in names:
+            vs = sorted(set(pf.read(columns=["schema_version"]).column(0).to_pylist()))
+            if vs and vs != [TRACE_SCHEMA_VERSION]:
+                raise _SchemaVersion(path, vs)
+        raise MoetraceError(f"trace part {path} lacks column(s) {', '.join(missing)}: not a moetrace trace v{TRACE_SCHEMA_VERSION}")
+
+
+def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.ndarray], start: int,
+               vocabs: tuple[Vocab, Vocab, Vocab]) -> tuple[set[int], set[int]]:
+    """Read one part into out[...][start:start+n]; returns its (tp_size, ep_size) values."""
+    run_v, tensor_v, dtype_v = vocabs
+    t = pf.read(columns=TRACE_COLUMNS, use_threads=False)
+    n = t.num_rows
+    if n != pf.metadata.num_rows:
+        raise ValueError(f"read {n} rows, footer says {pf.metadata.num_rows}")
+    sl = slice(start, start + n)
+    if n == 0:
+        return set(), set()
+    ver = t.column("schema_version").to_numpy()
+    if ver.min() != TRACE_SCHEMA_VERSION or ver.max() != TRACE_SCHEMA_VERSION:
+        raise _SchemaVersion(path, sorted(set(np.unique(ver).tolist())))
+    src = Vocab(SOURCES)
+    out["source"][sl] = src.codes_of(t.column("source"), np.int8)
+    if len(src) > len(SOURCES):
+        raise MoetraceError(f"trace part {path} has source value(s) {src.names[len(SOURCES):]}; expected 'resident' or 'staged'")
+    out["hi"][sl], out["lo"][sl] = digest_columns(t.column("digest"))
+    out["run"][sl] = run_v.codes_of(t.column("run_id"), np.int16)
+    out["tensor"][sl] = tensor_v.codes_of(t.column("tensor"), np.int16)
+    out["dtype"][sl] = dtype_v.codes_of(t.column("dtype"), np.int16)
+    for dst, col in _NUMERIC.items():
+        out[dst][sl] = t.column(col).to_numpy()
+    out["part"][sl] = part_id
+    out["row"][sl] = np.arange(n, dtype=np.int32)
+    sizes = tuple({int(x) for x in t.column(c).unique().to_pylist()} for c in ("tp_size", "ep_size"))
+    return sizes
+
+
+def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
+    """Discover, validate and load trace rows (needed columns only) into preallocated arrays."""
+    rank_dirs = discover(paths)
+    runs = load_runs(rank_dirs)
+    fs_of = {rd.path: rd.fs for rd in rank_dirs}
+    parts: list[tuple[pafs.FileSystem, str]] = []
+    part_run: list[RunInfo] = []
+    for run in runs:
+        for rk in sorted(run.ranks.values(), key=lambda r: r.rank):
+            parts.extend((fs_of[rk.path], p) for p in rk.parts)
+            part_run.extend(run for _ in rk.parts)
+    vocabs = (Vocab(), Vocab(TENSOR_NAMES), Vocab())
+    skipped: dict[int, str] = {}
+    versions: dict[int, str] = {}
+    workers = threads or min(4, os.cpu_count() or 1, max(1, len(parts)))
+
+    def why(err: BaseException) -> str:
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+    # pass 1: footers (row counts), column check
+    def open_one(i: int):
+        fs, p = parts[i]
+        try:
+            pf = _open_parquet(p, fs, _DICT_COLUMNS)
+            _check_columns(pf, p)
+            return pf, None
+        except (_SchemaVersion, MoetraceError) as err:
+            return None, err
+        except (pa.ArrowException, OSError, ValueError, EOFError, KeyError) as err:
+            return None, why(err)
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moetrace-read") as pool:
+        opened = list(pool.map(open_one, range(len(parts))))
+    for i, (_, err) in enumerate(opened):
+        if isinstance(err, MoetraceError):
+            raise err
+        if isinstance(err, _SchemaVersion):
+            for v in err.versions:
+                versions.setdefault(v, err.path)
+        elif err is not None:
+            skipped[i] = err
+    counts = np.array([pf.metadata.num_rows if pf is not None else 0 for pf, _ in opened], dtype=np.int64)
+    starts = np.r_[0, np.cumsum(counts)]
+    cols = {k: np.empty(int(starts[-1]), dtype=dt) for k, dt in COL_DTYPES.items()}
+    ok = np.ones(len(parts), dtype=bool)
+
+    # pass 2: read each part straight into its slice
+    def read_one(i: int):
+        pf = opened[i][0]
+        if pf is None:
+            return None
+        try:
+            return _fill_part(pf, parts[i][1], i, cols, int(starts[i]), vocabs)
+        except (_SchemaVersion, MoetraceError) as err:
+            return err
+        except (pa.ArrowException, OSError, ValueError, EOFError, KeyError) as err:
+            return why(err)
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moetrace-read") as pool:
+        outcomes = list(pool.map(read_one, range(len(parts))))
+    for i, res in enumerate(outcomes):
+        if res is None:
+            ok[i] = False
+        elif isinstance(res, MoetraceError):
+            raise res
+        elif isinstance(res, _SchemaVersion):
+            ok[i] = False
+            for v in res.versions:
+                versions.setdefault(v, res.path)
+        elif isinstance(res, str):
+            ok[i] = False
+            skipped[i] = res
+        else:
+            if counts[i]:
+                versions.setdefault(TRACE_SCHEMA_VERSION, parts[i][1])
+            run = part_run[i]
+            for name, vals, want in (("tp_size", res[0], run.tp_size), ("ep_size", res[1], run.ep_size)):
+                if vals and vals != {want}:
+                    raise MoetraceError(
+                        f"trace part {parts[i][1]} has {name} {sorted(vals)} but its manifest says {want}"
+                    )
+    if set(versions) - {TRACE_SCHEMA_VERSION}:
+        if len(versions) > 1:
+            desc = ", ".join(f"v{v} ({p})" for v, p in sorted(versions.items()))
+            raise MoetraceError(f"trace mixes schema versions: {desc}; analyze each version separately")
+        (v, p), = versions.items()
+        raise MoetraceError(f"trace part {p} has schema_version {v}; this moetrace reads version {TRACE_SCHEMA_VERSION}")
+    if not ok.all() and counts[~ok].sum():
+        keep = np.repeat(ok, counts)
+        cols = {k: v[keep] for k, v in cols.items()}
+    data = TraceData(runs=runs, cols=cols, run_ids=vocabs[0], tensors=vocabs[1], dtypes=vocabs[2],
+                     parts=parts, skipped_parts=[(parts[i][1], skipped[i]) for i in sorted(skipped)])
+    _check_rows_against_manifests(data)
+    return data
+
+
+def _check_rows_against_manifests(data: TraceData) -> None:
+    if data.n == 0:
+        return
+    known = {r.run_id for r in data.runs}
+    for name in data.run_ids.names:
+        if name not in known:
+            raise MoetraceError(f"trace rows name run {name!r} but no manifest does (runs: {sorted(known)})")
+
+
+def read_chunk_digests(data: TraceData, rows: np.ndarray) -> list[bytes | None]:
+    """chunk_digests of the given trace rows (positions into data.cols), read from their parts."""
+    out: list[bytes | None] = [None] * len(rows)
+    if len(rows) == 0:
+        return out
+    part = data.cols["part"][rows]
+    prow = data.cols["row"][rows]
+    order = np.argsort(part, kind="stable")
+    bounds = np.flatnonzero(np.diff(part[order])) + 1
+    for grp in np.split(order, bounds):
+        pid = int(part[grp[0]])
+        fs, path = data.parts[pid]
+        pf = pq.ParquetFile(path, filesystem=fs)
+        if "chunk_digests" not in pf.schema_arrow.names:
+            continue
+        md = pf.metadata
+        starts = np.cumsum([0] + [md.row_group(i).num_rows for i in range(md.num_row_groups)])
+        want = prow[grp]
+        rgs = np.unique(np.searchsorted(starts, want, side="right") - 1)
+        col = pf.read_row_groups(rgs.tolist(), columns=["chunk_digests"], use_threads=False).column(0)
+        # rows of the selected row groups, renumbered
+        base = np.concatenate([np.arange(starts[g], starts[g + 1]) for g in rgs])
+        local = np.searchsorted(base, want)
+        vals = col.take(pa.array(local)).to_pylist()
+        for j, v in zip(grp, vals):
+            out[int(j)] = v
+    return out

@@ -1,0 +1,133 @@
+"""The expected index file: what every rank must hold, per the checkpoint.
+
+One row per (tp_rank, layer, expert, tensor) with the digest of the exact shard
+SGLang's FusedMoE holds on that rank (schema.INDEX_SCHEMA), with JSON metadata
+under ``INDEX_META_KEY`` (checkpoint_id, tp_size, ep_size, layers, versions).
+``read_index`` is the one reader: it checks the schema and fingerprint versions
+for online verification and the analysis alike. Light to import (no safetensors):
+the capture side reads indexes inside a server. Building: checkpoints.index_build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from moetrace import fingerprint as fpdef
+from moetrace import storage
+from moetrace.errors import MoetraceError
+from moetrace.schema import INDEX_SCHEMA_VERSION
+
+INDEX_META_KEY = b"moetrace.index"
+
+
+
+
+def _temp_beside(path: Path) -> str:
+    """A temp file next to `path` with the mode a plain open() would give it:
+    mkstemp makes 0600, and a server running as another user must still be
+    able to read the index for online verification."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.fchmod(fd, 0o666 & ~mask)
+    os.close(fd)
+    return tmp
+
+
+def write_index(table: pa.Table, path: str | os.PathLike) -> Path:
+    """Atomic write: a temp file beside the target, renamed when complete."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_beside(path)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+# Columns every reader needs; chunk_digests is optional (an index may be built without).
+REQUIRED_COLUMNS = ("schema_version", "checkpoint_id", "tp_size", "ep_size", "tp_rank", "layer", "expert",
+                    "tensor", "copy_position", "dtype", "nbytes", "digest")
+
+
+def _open(path: str | os.PathLike) -> pq.ParquetFile:
+    fs, p = storage.open_fs(str(path), "index")
+    try:
+        return pq.ParquetFile(fs.open_input_file(p))
+    except FileNotFoundError:
+        raise MoetraceError(f"index {path}: no such file (build it with `moetrace index`)") from None
+    except (OSError, pa.ArrowException) as err:
+        raise MoetraceError(f"index {path}: not a readable moetrace index Parquet file ({_first_line(err)})") from None
+
+
+def _checked_metadata(path, pf: pq.ParquetFile) -> dict:
+    raw = (pf.schema_arrow.metadata or {}).get(INDEX_META_KEY)
+    if raw is None:
+        raise MoetraceError(f"index {path}: not a moetrace index (a Parquet file without its metadata; build one with `moetrace index`)")
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        raise MoetraceError(f"index {path}: garbled moetrace index metadata (rebuild it with `moetrace index`)") from None
+    found = meta.get("schema_version")
+    if found != INDEX_SCHEMA_VERSION:
+        raise MoetraceError(f"index {path}: index schema version {found}, this moetrace reads version "
+                            f"{INDEX_SCHEMA_VERSION}; rebuild it with `moetrace index`")
+    if meta.get("fp_version") != fpdef.FP_VERSION:
+        raise MoetraceError(f"index {path}: fingerprint version {meta.get('fp_version')}, this moetrace computes "
+                            f"version {fpdef.FP_VERSION}; rebuild it with `moetrace index`")
+    missing = [c for c in REQUIRED_COLUMNS if c not in pf.schema_arrow.names]
+    if missing:
+        raise MoetraceError(f"index {path}: lacks column(s) {', '.join(missing)}; rebuild it with `moetrace index`")
+    return meta
+
+
+def index_metadata(path: str | os.PathLike) -> dict:
+    """The index's metadata (checkpoint_id, tp_size, ep_size, layers, ...), versions checked."""
+    return _checked_metadata(path, _open(path))
+
+
+def read_index(path: str | os.PathLike, columns: Sequence[str] | None = None,
+               tp_rank: int | None = None) -> pa.Table:
+    """The one index reader: versions and columns checked, optionally one rank's rows.
+    The table's schema metadata keeps the index metadata (``INDEX_META_KEY``)."""
+    pf = _open(path)
+    _checked_metadata(path, pf)
+    names = pf.schema_arrow.names
+    cols = None if columns is None else [c for c in dict.fromkeys(list(columns) + (["tp_rank"] if tp_rank is not None else []))
+                                          if c in names]
+    try:
+        table = pf.read(columns=cols)
+    except (OSError, pa.ArrowException) as err:
+        raise MoetraceError(f"index {path}: unreadable ({_first_line(err)})") from None
+    if tp_rank is not None:
+        table = table.filter(pc.equal(table.column("tp_rank"), tp_rank))
+    return table
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def copy_index(src: Path, dst: str | os.PathLike) -> Path:
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_beside(dst)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return dst

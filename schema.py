@@ -1,0 +1,194 @@
+"""The project's shared vocabulary: tensor names and copy orders, sources, rank identity,
+the versioned Parquet schemas of the index and the trace, report schema names, and the
+one syntax for id ranges. The bottom layer: it imports nothing of moetrace but errors.
+
+Glossary (one word per concept, in code, docs and schemas alike):
+
+- expert: a routed MoE expert, by its global (logical) id in the checkpoint.
+- slot: a position in a rank's stacked ``[E_local, ...]`` FusedMoE parameter.
+- tensor: a FusedMoE parameter name (``w13_weight``, ``w2_weight_scale_inv``, ...).
+- shard: the part of an expert's tensor a TP/EP rank must hold.
+- digest: the 16-byte content value of a tensor (``digest``), or of one chunk of it
+  (``chunk_digests``); the fingerprint is the definition that makes them (``fp_version``).
+- index: the expected digests of every shard, built from the checkpoint.
+- trace: the digests captured from a live server, one Parquet folder per rank.
+- capture: one event of a rank fingerprinting a layer's tensors (``capture_seq``).
+- source: where a capture came from: ``staged`` (a KT full-layer load through host
+  slots) or ``resident`` (a FusedMoE forward).
+- step: a forward-pass number, equal on every rank for the same pass.
+- transport_position: an expert's position in a staged load's copy sequence (-1 when
+  it was not staged through the host slots); copy_position: a tensor's position in its
+  expert's copy order (``COPY_ORDERS``).
+- verdict: what a captured tensor is, compared with the index (docs/analysis.md).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import pyarrow as pa
+
+from moetrace.errors import MoetraceError
+
+INDEX_SCHEMA_VERSION = 2
+TRACE_SCHEMA_VERSION = 2
+MANIFEST_SCHEMA_VERSION = 2
+REPORT_SCHEMA, REPORT_SCHEMA_VERSION = "moetrace.analysis", 2
+DIFF_SCHEMA, DIFF_SCHEMA_VERSION = "moetrace.diff", 2
+
+# ---------------------------------------------------------------- tensors
+
+# The order the KT fork copies one expert's tensors in; also the tie-break order
+# of "first divergence". Keyed by expert format (checkpoints.spec.FORMATS).
+COPY_ORDERS: dict[str, tuple[str, ...]] = {
+    "fp8_block": ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv"),
+    "fp8_channel": ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"),
+    "bf16": ("w13_weight", "w2_weight"),
+}
+# Every FusedMoE parameter a capture can hold, in a stable order.
+TENSOR_NAMES: tuple[str, ...] = tuple(dict.fromkeys(n for order in COPY_ORDERS.values() for n in order))
+
+
+def copy_position(tensor: str) -> int:
+    """Where a FusedMoE parameter comes in an expert's copy: w13_weight 0, its scale 1,
+    w2_weight 2, its scale 3 (the FP8 orders; BF16 keeps these numbers, so positions
+    compare across formats)."""
+    for order in (COPY_ORDERS["fp8_block"], COPY_ORDERS["fp8_channel"]):
+        if tensor in order:
+            return order.index(tensor)
+    raise KeyError(tensor)
+
+
+def dtype_name(dtype) -> str:
+    """torch.float8_e4m3fn -> "float8_e4m3fn": the dtype spelling of every schema."""
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------- sources and ranks
+
+# Code order matters to the analysis: a staged load precedes the layer's resident use.
+SOURCES: tuple[str, ...] = ("staged", "resident")
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """Which shard of the experts a process holds (SGLang's TP/EP coordinates)."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    moe_tp_size: int = 1
+    moe_tp_rank: int = 0
+
+
+# ---------------------------------------------------------------- Parquet schemas
+
+_RANK_FIELDS = [
+    pa.field("tp_size", pa.int16(), nullable=False),
+    pa.field("tp_rank", pa.int16(), nullable=False),
+    pa.field("ep_size", pa.int16(), nullable=False),
+    pa.field("ep_rank", pa.int16(), nullable=False),
+    pa.field("moe_tp_size", pa.int16(), nullable=False),
+    pa.field("moe_tp_rank", pa.int16(), nullable=False),
+]
+
+_TENSOR_FIELDS = [
+    pa.field("layer", pa.int32(), nullable=False),
+    pa.field("expert", pa.int32(), nullable=False),  # global (logical) expert id
+    pa.field("local_expert", pa.int32(), nullable=False),  # slot in the rank's [E_local, ...] param
+    pa.field("tensor", pa.string(), nullable=False),  # FusedMoE param name, e.g. w2_weight_scale_inv
+    pa.field("copy_position", pa.int8(), nullable=False),
+    pa.field("dtype", pa.string(), nullable=False),  # dtype_name()
+    pa.field("shape", pa.list_(pa.int64()), nullable=False),  # per-expert shape
+    pa.field("nbytes", pa.int64(), nullable=False),
+    pa.field("digest", pa.binary(16), nullable=False),
+    pa.field("chunk_digests", pa.binary(), nullable=True),  # 16 bytes per fingerprint.CHUNK_BYTES chunk
+]
+
+INDEX_SCHEMA = pa.schema(
+    [pa.field("schema_version", pa.int16(), nullable=False), pa.field("checkpoint_id", pa.string(), nullable=False)]
+    + _RANK_FIELDS
+    + _TENSOR_FIELDS
+)
+
+TRACE_SCHEMA = pa.schema(
+    [pa.field("schema_version", pa.int16(), nullable=False), pa.field("run_id", pa.string(), nullable=False)]
+    + _RANK_FIELDS
+    + [
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),  # one of SOURCES
+        pa.field("capture_seq", pa.int64(), nullable=False),  # per-rank capture counter
+        pa.field("transport_position", pa.int32(), nullable=False),
+    ]
+    + _TENSOR_FIELDS
+    + [
+        pa.field("online", pa.string(), nullable=True),  # "match" | "mismatch" | null (not checked)
+        pa.field("time_ns", pa.int64(), nullable=False),  # wall clock at capture
+    ]
+)
+
+# ---------------------------------------------------------------- id ranges
+
+# Without a known bound, ids at or above this are refused: no model has a million
+# layers or experts, and a range is never expanded before it is checked.
+MAX_ID = 1 << 20
+_ID_OR_RANGE = re.compile(r"^(\d+)(?:\s*-\s*(\d+))?$")
+
+
+def parse_ids(value, what: str, bound: int | None = None) -> frozenset[int] | None:
+    """The one syntax for layer/expert lists in options, hook config and manifests.
+
+    None, "", "all" -> None (every id). "0,2,5-7", [0, 2, "5-7"] or a lone int -> a
+    frozenset. Ids must be >= 0 and below `bound` (the model's size; MAX_ID when
+    unknown); a reversed range (5-3) is an error. Bounds are checked before a range
+    is expanded, so a huge range is an error, never an allocation.
+    """
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "all")):
+        return None
+    limit = MAX_ID if bound is None else int(bound)
+    where = f"below {bound} (the model's size)" if bound is not None else f"below {MAX_ID}"
+    items: Iterable = value.split(",") if isinstance(value, str) else value
+    if isinstance(value, int) and not isinstance(value, bool):
+        items = [value]
+    elif not isinstance(value, (str, list, tuple, set, frozenset, range)):
+        raise MoetraceError(f"{what}: {value!r} is not a list of ids like 0,2,5-7")
+    out: set[int] = set()
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise MoetraceError(f"{what}: {item!r} is not an id or a range like 5-7")
+        if isinstance(item, int):
+            lo = hi = item
+            text = str(item)
+        else:
+            text = item.strip()
+            if not text:
+                continue
+            m = _ID_OR_RANGE.match(text)
+            if not m:
+                raise MoetraceError(f"{what}: {text!r} is not an id or a range like 5-7 (ids are >= 0)")
+            lo = int(m.group(1))
+            hi = lo if m.group(2) is None else int(m.group(2))
+        if lo < 0:
+            raise MoetraceError(f"{what}: {text!r}: ids must be >= 0")
+        if hi < lo:
+            raise MoetraceError(f"{what}: {text!r}: range end is below its start (write {hi}-{lo})")
+        if hi >= limit:
+            raise MoetraceError(f"{what}: {text!r}: ids must be {where}")
+        out.update(range(lo, hi + 1))
+    return frozenset(out) if out else None
+
+
+def format_ids(ids: Iterable[int]) -> str:
+    """(0, 1, 2, 5) -> "0-2,5"; empty -> "none". Keeps 256-expert lists to one short line."""
+    xs = sorted(set(int(x) for x in ids))
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out) or "none"
