@@ -106,43 +106,23 @@ def index_cmd(checkpoint, tp_size, ep_size, layers, up_first, device, output, no
       moetrace index ./Qwen3.5-122B-A10B-FP8 --tp 2 -o index.parquet
     """
     import json
-    import time
 
-    from moetrace.checkpoints import index as ix
-    from moetrace.checkpoints import index_build as ixb
+    from moetrace.checkpoints.index_build import make_index
     from moetrace.checkpoints.reader import open_checkpoint
     from moetrace.schema import parse_ids
 
     spec = open_checkpoint(checkpoint).spec
     wanted = parse_ids(layers, "--layers", bound=spec.num_layers)
-    stats = ixb.IndexStats()
-    t0 = time.perf_counter()
-    show_bar = not as_json and sys.stderr.isatty()
     n_units = len(wanted if wanted is not None else spec.moe_layers) * tp_size
+    show_bar = not as_json and sys.stderr.isatty()
     with click.progressbar(length=n_units, label="fingerprinting", file=sys.stderr) if show_bar else _NullBar() as bar:
-        if no_cache:
-            table = ixb.build_index(checkpoint, tp_size, ep_size, wanted, up_first, device, bar.update, stats)
-            path, reused = ix.write_index(table, output), False
-        else:
-            cached, reused = ixb.cached_index(checkpoint, tp_size, ep_size, wanted, up_first, device, bar.update, stats)
-            path = ix.copy_index(cached, output)
-    meta = ix.index_metadata(path)
-    summary = {
-        "index": str(path),
-        "checkpoint_id": meta["checkpoint_id"],
-        "rows": ix.read_index(path, columns=["layer"]).num_rows,
-        "tp_size": tp_size,
-        "ep_size": ep_size,
-        "layers": meta["layers"],
-        "reused_cache": reused,
-        "seconds": round(time.perf_counter() - t0, 3),
-        "bytes_fingerprinted": stats.bytes_fingerprinted,
-    }
+        summary = make_index(checkpoint, output, tp_size, ep_size, wanted, up_first, device, not no_cache, bar.update)
     if as_json:
         click.echo(json.dumps(summary))
     else:
-        how = "reused cached index" if reused else f"fingerprinted {stats.bytes_fingerprinted / 1e6:.1f} MB"
-        click.echo(f"wrote {summary['rows']} rows to {path} ({how}, {summary['seconds']} s, checkpoint {summary['checkpoint_id']})")
+        how = "reused cached index" if summary["reused_cache"] else f"fingerprinted {summary['bytes_fingerprinted'] / 1e6:.1f} MB"
+        click.echo(f"wrote {summary['rows']} rows to {summary['index']} ({how}, {summary['seconds']} s, "
+                   f"checkpoint {summary['checkpoint_id']})")
 
 
 class _NullBar:
@@ -299,80 +279,9 @@ def _analysis_options(f, trace_required: bool = True):
     return f
 
 
-def _run_analysis(command, trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows,
-                  json_out=None, extra_doc=None):
-    from moetrace.analysis import render
-    from moetrace.analysis.report import analyze
-
-    try:
-        if plot:  # a bad --plot name fails before any work
-            from moetrace.analysis.plot import plot_format
-
-            plot_format(plot)
-        rep = analyze(list(trace), index=index_path, checkpoint=checkpoint, max_rows=max_rows)
-    except MoetraceError as err:
-        if command == "audit":  # CI still gets a failing test case and a JSON verdict
-            _write_unusable_reports(str(err), json_out, markdown, junit)
-        raise
-    if extra_doc:
-        rep.doc.update(extra_doc)
-    outputs = []
-    try:
-        if json_out:
-            with open(json_out, "w") as fh:
-                fh.write(render.to_json(rep))
-            outputs.append(f"json: {json_out}")
-        if markdown:
-            with open(markdown, "w") as fh:
-                fh.write(render.to_markdown(rep))
-            outputs.append(f"markdown: {markdown}")
-        if junit:
-            with open(junit, "w") as fh:
-                fh.write(render.to_junit(rep))
-            outputs.append(f"junit: {junit}")
-        if plot:
-            from moetrace.analysis.plot import plot as make_plot
-
-            make_plot(rep, plot)
-            outputs.append(f"plot: {plot}")
-    except OSError as err:
-        raise MoetraceError(f"cannot write report: {err}") from None
-    if as_json:
-        click.echo(render.to_json(rep))
-    else:
-        click.echo(render.to_text(rep, max_lines=max_lines, command=command))
-        for o in outputs:
-            click.echo(f"wrote {o}")
-    return rep
-
-
-def _write_unusable_reports(message: str, json_out, markdown, junit) -> None:
-    """Reports for a trace that could not be analyzed at all (audit exit 2)."""
-    import json
-    from xml.etree import ElementTree as ET
-
-    try:
-        if json_out:
-            doc = {"schema": "moetrace.analysis", "version": 1, "status": "unusable", "audit_exit_code": 2,
-                   "error": message}
-            with open(json_out, "w") as fh:
-                fh.write(json.dumps(doc, indent=2) + "\n")
-        if markdown:
-            with open(markdown, "w") as fh:
-                fh.write(f"# moetrace audit: UNUSABLE (exit 2)\n\n{message}\n")
-        if junit:
-            root = ET.Element("testsuites", name="moetrace", tests="1", failures="0", errors="1")
-            suite = ET.SubElement(root, "testsuite", name="moetrace", tests="1", failures="0", errors="1")
-            case = ET.SubElement(suite, "testcase", classname="moetrace", name="trace is usable")
-            ET.SubElement(case, "error", message=message, type="unusable")
-            ET.ElementTree(root).write(junit, encoding="unicode", xml_declaration=True)
-    except OSError:
-        pass  # the one-line error about the trace is what matters here
-
-
 @main.command("analyze")
 @_analysis_options
-def analyze_cmd(trace, index_path, checkpoint, as_json, json_out, markdown, junit, plot, max_lines, max_rows):
+def analyze_cmd(**kw):
     """Give every captured tensor a verdict and find the first divergence.
 
     TRACE is a run folder OUT/<run_id>, an OUT folder of several runs, a glob
@@ -385,7 +294,19 @@ def analyze_cmd(trace, index_path, checkpoint, as_json, json_out, markdown, juni
     Example:
       moetrace analyze /data/traces/unfenced --index index.parquet --plot grid.png
     """
-    _run_analysis("analyze", trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines, max_rows, json_out)
+    from moetrace.jobs.audit import run_analysis
+
+    run_analysis("analyze", _analysis_opts(kw), click.echo)
+
+
+def _analysis_opts(kw: dict):
+    """The analysis options of analyze/audit, popped from the command's keyword arguments."""
+    from moetrace.jobs.audit import AnalysisOptions, ReportFiles
+
+    reports = ReportFiles(**{k: kw.pop(k) for k in ("json_out", "markdown", "junit", "plot")})
+    return AnalysisOptions(trace=tuple(kw.pop("trace")), index=kw.pop("index_path"), checkpoint=kw.pop("checkpoint"),
+                           as_json=kw.pop("as_json"), reports=reports, max_lines=kw.pop("max_lines"),
+                           max_rows=kw.pop("max_rows"))
 
 
 def _launch_options(f):
@@ -419,9 +340,7 @@ def _launch_options(f):
 @main.command("audit")
 @_launch_options
 @functools.partial(_analysis_options, trace_required=False)
-def audit_cmd(trace, index_path, checkpoint, as_json, json_out, markdown, junit, plot, max_lines, max_rows,
-              launch_cmd, out, run_id, requests, prompt_tokens, replays, max_tokens, base_url,
-              ready_timeout, hook_config, sglang_version):
+def audit_cmd(**kw):
     """Like analyze, for CI: the exit code is the verdict.
 
     With --launch, the nightly job in one command: start the server with capture
@@ -443,74 +362,19 @@ def audit_cmd(trace, index_path, checkpoint, as_json, json_out, markdown, junit,
       moetrace audit --launch "python -m sglang.launch_server --model-path M --tp 2 --port 30000" \\
           --checkpoint M --requests 3 --prompt-tokens 16384 --out /nightly --junit junit.xml --json-out audit.json
     """
-    traffic_problem, launch_doc = None, None
-    if launch_cmd:
-        if trace:
-            raise MoetraceError("audit: give either TRACE folders or --launch, not both")
-        if not (index_path or checkpoint):
-            raise MoetraceError("audit --launch: give --index FILE or --checkpoint CKPT to compare against")
-        trace, traffic_problem, launch_doc = _launch_for_audit(launch_cmd, out, run_id, index_path, checkpoint, requests,
-                                                   prompt_tokens, replays, max_tokens, base_url, ready_timeout,
-                                                   hook_config, sglang_version, quiet=as_json,
-                                                   json_out=json_out, markdown=markdown, junit=junit)
-    elif not trace:
-        raise MoetraceError("audit: give a TRACE folder (OUT/<run_id>) or --launch CMD")
-    try:
-        rep = _run_analysis("audit", trace, index_path, checkpoint, as_json, markdown, junit, plot, max_lines,
-                            max_rows, json_out, extra_doc=launch_doc)
-    except MoetraceError as err:
-        if traffic_problem:  # say why first: the empty trace is only the consequence
-            msg = f"audit --launch: {traffic_problem}; then: {err}"
-            _write_unusable_reports(msg, json_out, markdown, junit)
-            raise MoetraceError(msg) from None
-        raise
-    code = rep.exit_code
-    if traffic_problem and code == 0:
-        code = 2  # a trace of traffic that did not happen proves nothing
-    if not as_json:
-        if traffic_problem:
-            click.echo(f"audit: traffic problem: {traffic_problem}")
-        word = {0: "pass", 1: "divergence found", 2: "incomplete"}[code]
-        click.echo(f"audit: exit {code} ({word})")
-    sys.exit(code)
+    from moetrace.jobs.audit import LaunchOptions, run_audit
+    from moetrace.jobs.traffic import Traffic
 
-
-def _launch_for_audit(launch_cmd, out, run_id, index_path, checkpoint, requests, prompt_tokens, replays,
-                      max_tokens, base_url, ready_timeout, hook_config, sglang_version, quiet,
-                      json_out=None, markdown=None, junit=None):
-
-    from moetrace.jobs import audit as nightly
-
-    config = _json_object(hook_config, "--hook-config") if hook_config else {}
-    config["out"] = out
-    if run_id:
-        config["run_id"] = run_id
-    if index_path:
-        from moetrace.checkpoints.index import index_metadata
-
-        config.setdefault("checkpoint_id", index_metadata(index_path)["checkpoint_id"])
-    elif checkpoint:
-        from moetrace.checkpoints.reader import open_checkpoint
-
-        config.setdefault("checkpoint_id", open_checkpoint(checkpoint).identity)
-    traffic = nightly.Traffic(requests=requests, prompt_tokens=prompt_tokens, replays=replays, max_tokens=max_tokens,
-                              ready_timeout_s=ready_timeout)
-    echo = (lambda m: click.echo(m, err=True)) if not quiet else (lambda m: None)
-    try:
-        run_dir, server_code, res = nightly.launch_and_drive(launch_cmd, config, traffic, base_url, echo=echo,
-                                                             sglang_version=sglang_version)
-    except MoetraceError as err:
-        _write_unusable_reports(f"audit --launch: {err}", json_out, markdown, junit)
-        raise
-    problem = None
-    if not res.ok:
-        problem = res.error or "traffic did not complete"
-    echo(f"moetrace: server exited with {server_code}; {res.sent} requests answered, {res.failed} failed")
-    launch_doc = {"launch": {"command": launch_cmd, "run_dir": run_dir, "server_exit_code": server_code,
-                             "requests_answered": res.sent, "requests_failed": res.failed,
-                             "seconds_to_healthy": res.seconds_to_ready, "latencies_s": res.latencies_s,
-                             "traffic_problem": problem}}
-    return (run_dir,), problem, launch_doc
+    opts = _analysis_opts(kw)
+    launch = None
+    if kw["launch_cmd"]:
+        traffic = Traffic(**{k: kw[k] for k in ("requests", "prompt_tokens", "replays", "max_tokens")},
+                          ready_timeout_s=kw["ready_timeout"])
+        hook_config = _json_object(kw["hook_config"], "--hook-config") if kw["hook_config"] else {}
+        launch = LaunchOptions(command=kw["launch_cmd"], out=kw["out"], run_id=kw["run_id"], traffic=traffic,
+                               base_url=kw["base_url"], hook_config=hook_config, sglang_version=kw["sglang_version"])
+    progress = (lambda m: None) if opts.as_json else (lambda m: click.echo(m, err=True))
+    sys.exit(run_audit(opts, launch, click.echo, progress))
 
 
 @main.command("diff")

@@ -9,13 +9,35 @@ import pandas as pd
 
 from moetrace.analysis.report import Report
 from moetrace.analysis.sentences import fmt_int, load_label, row_doc, steps_text
-from moetrace.schema import SOURCES
+from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES
 
 STATUS_WORD = {"match": "ALL MATCH", "divergent": "DIVERGENT", "incomplete": "INCOMPLETE"}
 
 
 def to_json(rep: Report) -> str:
     return json.dumps(rep.doc, indent=1, sort_keys=False)
+
+
+# Reports of a trace that could not be analyzed at all (audit exit 2): CI still gets a
+# failing test case and a JSON verdict that says why.
+
+
+def unusable_json(message: str) -> str:
+    doc = {"schema": REPORT_SCHEMA, "version": REPORT_SCHEMA_VERSION, "status": "unusable", "audit_exit_code": 2,
+           "error": message}
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def unusable_markdown(message: str) -> str:
+    return f"# moetrace audit: UNUSABLE (exit 2)\n\n{message}\n"
+
+
+def unusable_junit(message: str) -> str:
+    root = ET.Element("testsuites", name="moetrace", tests="1", failures="0", errors="1")
+    suite = ET.SubElement(root, "testsuite", name="moetrace", tests="1", failures="0", errors="1")
+    case = ET.SubElement(suite, "testcase", classname="moetrace", name="trace is usable")
+    ET.SubElement(case, "error", message=message, type="unusable")
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
 def _head(doc: dict) -> list[str]:

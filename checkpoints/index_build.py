@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 from moetrace import __version__
 from moetrace import fingerprint as fpdef
-from moetrace.checkpoints.index import INDEX_META_KEY, index_metadata, write_index
+from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.reader import Checkpoint, open_checkpoint
 from moetrace.checkpoints.shards import Parallel, expected_layer, local_experts, rank_coords, validate_parallel
 from moetrace.checkpoints.spec import MoESpec
@@ -188,3 +189,30 @@ def cached_index(
     write_index(table, path)
     return path, False
 
+
+
+def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size: int, ep_size: int = 1,
+               layers: Iterable[int] | None = None, up_first: bool = False, device: str = "cpu",
+               use_cache: bool = True, progress: Callable[[int], None] | None = None) -> dict:
+    """`moetrace index`: the index at `output` (from the cache unless use_cache is False);
+    returns the summary the command prints."""
+    t0 = time.perf_counter()
+    stats = IndexStats()
+    if use_cache:
+        cached, reused = cached_index(checkpoint, tp_size, ep_size, layers, up_first, device, progress, stats)
+        path = copy_index(cached, output)
+    else:
+        path, reused = write_index(build_index(checkpoint, tp_size, ep_size, layers, up_first, device, progress, stats),
+                                   output), False
+    meta = index_metadata(path)
+    return {
+        "index": str(path),
+        "checkpoint_id": meta["checkpoint_id"],
+        "rows": pq.ParquetFile(path).metadata.num_rows,
+        "tp_size": tp_size,
+        "ep_size": ep_size,
+        "layers": meta["layers"],
+        "reused_cache": reused,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "bytes_fingerprinted": stats.bytes_fingerprinted,
+    }

@@ -1,7 +1,7 @@
 """The expert tensors a TP/EP rank of SGLang's FusedMoE holds after loading,
 computed from the checkpoint alone.
 
-Facts this follows (DESIGN.md section 3): moe_tp_size = tp_size // ep_size;
+Facts this follows (docs/checkpoints.md, from SGLang's FusedMoE loader): moe_tp_size = tp_size // ep_size;
 ep_rank = tp_rank // moe_tp_size, moe_tp_rank = tp_rank % moe_tp_size; a rank
 owns global experts [ep_rank*E/ep, (ep_rank+1)*E/ep). With I_tp = I/moe_tp_size
 and r = moe_tp_rank: w13_weight[e] = gate rows [r*I_tp, (r+1)*I_tp) then up rows

@@ -3,7 +3,7 @@
 ``load(layer_idx, wrapper, original_layer, gpu_experts_mask, logical_to_gpu_index)``
 fills ``self.gpu_layer`` (all experts of one layer) through double-buffered
 POSIX shared-memory host slots, following ``_prepare_weight_fp8`` of
-KTransformers' SGLang fork (DESIGN.md section 2):
+KTransformers' SGLang fork (docs/emulator.md):
 
     rank 0: submit_write(cpu_ids[0] -> slot 0)
     for idx, e in enumerate(cpu_ids):               slot = idx % 2

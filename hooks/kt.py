@@ -28,13 +28,11 @@ from moetrace.tracer.capture import Tracer
 
 log = logging.getLogger("moetrace.kt")
 
-# Where the fork defines SharedFullContext (it moved between fork versions).
-# Modules that may define SharedFullContext: the KT fork's (two layouts across
-# its history) and moetrace's own emulator, which mirrors the fork's class.
+# Where KTransformers' SGLang fork defines SharedFullContext (across its history);
+# kt=true imports these. kt="auto" finds the class in whatever module the server loaded.
 KT_MODULES = (
     "sglang.srt.layers.moe.kt_full_context",
     "sglang.srt.layers.moe.kt_ep_wrapper",
-    "moetrace.emulator.staging",
 )
 GPU_COPIED = -1
 
@@ -158,23 +156,20 @@ class KTLoadCapture:
 
 
 def find_shared_full_context(mode: object = "auto") -> list[type]:
-    """SharedFullContext classes of the fork. "auto": only when the server already
-    imported the KT wrapper module (a KT server); True: import it; False: none."""
+    """SharedFullContext classes to wrap. "auto": every one defined by a module the
+    server already loaded (the fork's wrapper module, or a stand-in such as moetrace's
+    emulator); True: also import the fork's modules; False: none."""
     if mode is False:
         return []
-    if mode == "auto" and not any(m in sys.modules for m in KT_MODULES):
-        return []
-    found: list[type] = []
-    for name in KT_MODULES:
-        mod = sys.modules.get(name)
-        if mod is None and mode == "auto":
-            continue  # auto never imports: a server only has the modules it loaded
-        if mod is None:
+    if mode is True:
+        for name in KT_MODULES:
             try:
-                mod = importlib.import_module(name)
+                importlib.import_module(name)
             except Exception:
                 continue
-        cls = getattr(mod, "SharedFullContext", None)
+    found: list[type] = []
+    for mod in list(sys.modules.values()):
+        cls = getattr(mod, "__dict__", {}).get("SharedFullContext")  # no getattr: lazy modules stay unloaded
         if isinstance(cls, type) and "load" in cls.__dict__ and cls not in found:
             found.append(cls)
     return found

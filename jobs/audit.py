@@ -1,163 +1,162 @@
-"""`moetrace audit --launch`: the nightly job in one command.
-
-Start the server with capture hooks (hooks.launch.Launcher: SGLang, the KT
-fork or moetrace's emulator), wait for /health, drive traffic that takes the
-staged path (fresh long prompts, then the same prefixes replayed with more
-text), stop the server cleanly (ranks close their traces first), then the
-caller analyzes the run folder.
+"""`moetrace analyze` and `moetrace audit`: analyze traces, write the reports, and (audit)
+turn the verdict into the exit code; `audit --launch` first runs the server with capture
+hooks and drives traffic (jobs.traffic). The CLI only parses options into these records.
 """
 
 from __future__ import annotations
 
-import json
-import shlex
-import threading
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable
 
+from moetrace.analysis import render
+from moetrace.analysis.plot import plot as make_plot
+from moetrace.analysis.plot import plot_format
+from moetrace.analysis.report import Report, analyze
+from moetrace.checkpoints.index import index_metadata
+from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.errors import MoetraceError
+from moetrace.jobs.traffic import Traffic, launch_and_drive
 
-WORDS = ("expert", "slot", "rank", "layer", "scale", "fence", "copy", "stream", "event", "prefill", "chunk",
-         "token", "shard", "weight", "block", "host", "device", "barrier", "writer", "reader")
-
-
-@dataclass
-class Traffic:
-    requests: int = 3  # fresh long prompts
-    prompt_tokens: int = 2048  # about this many words each
-    replays: int = 1  # each prompt replayed this many times with an extension (prefix-cache hits)
-    max_tokens: int = 4
-    ready_timeout_s: float = 600.0
-    request_timeout_s: float = 600.0
+AUDIT_WORDS = {0: "pass", 1: "divergence found", 2: "incomplete"}
 
 
-@dataclass
-class TrafficResult:
-    ok: bool = False
-    sent: int = 0
-    failed: int = 0
-    error: str | None = None
-    seconds_to_ready: float | None = None
-    latencies_s: list[float] = field(default_factory=list)
+@dataclass(frozen=True)
+class ReportFiles:
+    """Where to write reports besides the terminal (None: not written)."""
 
+    json_out: str | None = None
+    markdown: str | None = None
+    junit: str | None = None
+    plot: str | None = None
 
-def prompt(i: int, words: int) -> str:
-    """A deterministic prompt of `words` words, different for each i."""
-    n = len(WORDS)
-    return " ".join(WORDS[(i * 7 + j * (i + 3) + j // n) % n] for j in range(max(1, words)))
+    def write_unusable(self, message: str) -> None:
+        """Reports for a trace that could not be analyzed at all; the one-line error about
+        the trace is what matters, so a report that cannot be written is skipped."""
+        for path, text in ((self.json_out, render.unusable_json), (self.markdown, render.unusable_markdown),
+                           (self.junit, render.unusable_junit)):
+            if path:
+                try:
+                    with open(path, "w") as fh:
+                        fh.write(text(message))
+                except OSError:
+                    pass
 
-
-def _is_emulator(cmd: list[str]) -> bool:
-    return "serve" in cmd and any(t.endswith("moetrace") or t == "moetrace.cli" for t in cmd[: cmd.index("serve")])
-
-
-def base_url_from(cmd: list[str], explicit: str | None) -> str:
-    if explicit:
-        return explicit.rstrip("/")
-    if _is_emulator(cmd) and not any(t == "--port" or t.startswith("--port=") for t in cmd):
-        raise MoetraceError("--launch: `moetrace serve` picks a random port without --port; give it --port N "
-                            "(or pass --base-url)")
-    host, port = "127.0.0.1", "30000"  # SGLang's defaults
-    for i, tok in enumerate(cmd):
-        for flag, setter in (("--port", "port"), ("--host", "host")):
-            if tok == flag and i + 1 < len(cmd):
-                if setter == "port":
-                    port = cmd[i + 1]
-                else:
-                    host = cmd[i + 1]
-            elif tok.startswith(flag + "="):
-                if setter == "port":
-                    port = tok.split("=", 1)[1]
-                else:
-                    host = tok.split("=", 1)[1]
-    if port == "0":
-        raise MoetraceError("--launch: the server command uses --port 0; give a fixed --port or --base-url")
-    if host in ("0.0.0.0", "::"):
-        host = "127.0.0.1"
-    return f"http://{host}:{port}"
-
-
-def _get(url: str, timeout: float) -> int:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return resp.status
-
-
-def _post(url: str, body: dict, timeout: float) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read() or b"{}")
-
-
-def drive(base_url: str, traffic: Traffic, server_alive: Callable[[], bool], echo: Callable[[str], None]) -> TrafficResult:
-    """Wait for health, then send the prompts; never raises."""
-    res = TrafficResult()
-    t0 = time.monotonic()
-    while True:
-        if not server_alive():
-            res.error = f"the server exited before {base_url}/health answered"
-            return res
+    def write(self, rep: Report) -> list[str]:
+        """Write every requested report; returns "kind: path" for each."""
+        written = []
         try:
-            if _get(f"{base_url}/health", timeout=5) == 200:
-                break
-        except (urllib.error.URLError, OSError, ValueError):
-            pass
-        if time.monotonic() - t0 > traffic.ready_timeout_s:
-            res.error = (f"the server never answered {base_url}/health within {traffic.ready_timeout_s:.0f} s "
-                         "(--ready-timeout; is --port/--base-url right?)")
-            return res
-        time.sleep(0.5)
-    res.seconds_to_ready = round(time.monotonic() - t0, 2)
-    echo(f"moetrace: server healthy at {base_url} after {res.seconds_to_ready} s; sending "
-         f"{traffic.requests} fresh prompts x (1 + {traffic.replays} replays) of ~{traffic.prompt_tokens} words")
-    for i in range(traffic.requests):
-        base = prompt(i, traffic.prompt_tokens)
-        for r in range(traffic.replays + 1):
-            text = base if r == 0 else f"{base} {prompt(1000 + i * 10 + r, 16)}"
-            t = time.monotonic()
-            try:
-                _post(f"{base_url}/v1/completions",
-                      {"prompt": text, "max_tokens": traffic.max_tokens, "temperature": 0}, traffic.request_timeout_s)
-                res.sent += 1
-                res.latencies_s.append(round(time.monotonic() - t, 3))
-            except (urllib.error.URLError, OSError, ValueError) as err:
-                res.failed += 1
-                res.error = f"request {res.sent + res.failed} failed: {err}"
-                if not server_alive():
-                    return res
-    res.ok = res.failed == 0
-    return res
+            for path, kind, text in ((self.json_out, "json", render.to_json), (self.markdown, "markdown", render.to_markdown),
+                                     (self.junit, "junit", render.to_junit)):
+                if path:
+                    with open(path, "w") as fh:
+                        fh.write(text(rep))
+                    written.append(f"{kind}: {path}")
+            if self.plot:
+                make_plot(rep, self.plot)
+                written.append(f"plot: {self.plot}")
+        except OSError as err:
+            raise MoetraceError(f"cannot write report: {err}") from None
+        return written
 
 
-def launch_and_drive(server_cmd: str | list[str], config: dict, traffic: Traffic, base_url: str | None = None,
-                     echo: Callable[[str], None] = print, **launcher_kwargs) -> tuple[str, int, TrafficResult]:
-    """Run the server under the Launcher, drive traffic from a thread, stop it.
+@dataclass(frozen=True)
+class AnalysisOptions:
+    trace: tuple[str, ...] = ()
+    index: str | None = None
+    checkpoint: str | None = None
+    as_json: bool = False
+    reports: ReportFiles = field(default_factory=ReportFiles)
+    max_lines: int = 20
+    max_rows: int = 1000
 
-    Returns (run folder URL/path, server exit code, traffic result).
-    """
-    from moetrace.hooks.launch import Launcher
 
-    cmd = shlex.split(server_cmd) if isinstance(server_cmd, str) else list(server_cmd)
-    if not cmd:
-        raise MoetraceError("--launch: empty server command")
-    url = base_url_from(cmd, base_url)
-    launcher = Launcher(cmd, config, echo=echo, **launcher_kwargs)
-    result = TrafficResult()
+@dataclass(frozen=True)
+class LaunchOptions:
+    """audit --launch: the server command, where its trace goes, and the traffic to send."""
 
-    def worker():
-        nonlocal result
-        try:
-            result = drive(url, traffic, lambda: launcher.proc is None or launcher.proc.poll() is None, echo)
-        except Exception as err:  # drive never raises; belt and braces for the thread
-            result.error = f"traffic driver crashed: {err}"
-        finally:
-            # Same path as a Ctrl-C: ranks close their traces, then SIGTERM.
-            launcher.stop("traffic done")
+    command: str
+    out: str = "moetrace-traces"
+    run_id: str | None = None
+    traffic: Traffic = field(default_factory=Traffic)
+    base_url: str | None = None
+    hook_config: dict = field(default_factory=dict)
+    sglang_version: str | None = None
 
-    thread = threading.Thread(target=worker, name="moetrace-traffic", daemon=True)
-    thread.start()
-    code = launcher.run()
-    thread.join(timeout=30)
-    return f"{launcher.config['out'].rstrip('/')}/{launcher.run_id}", code, result
+
+def run_analysis(command: str, opts: AnalysisOptions, echo: Callable[[str], None],
+                 extra_doc: dict | None = None) -> Report:
+    """Analyze, write the reports, print the text (or JSON) report."""
+    try:
+        if opts.reports.plot:  # a bad --plot name fails before any work
+            plot_format(opts.reports.plot)
+        rep = analyze(list(opts.trace), index=opts.index, checkpoint=opts.checkpoint, max_rows=opts.max_rows)
+    except MoetraceError as err:
+        if command == "audit":
+            opts.reports.write_unusable(str(err))
+        raise
+    if extra_doc:
+        rep.doc.update(extra_doc)
+    written = opts.reports.write(rep)
+    if opts.as_json:
+        echo(render.to_json(rep))
+    else:
+        echo(render.to_text(rep, max_lines=opts.max_lines, command=command))
+        for w in written:
+            echo(f"wrote {w}")
+    return rep
+
+
+def run_audit(opts: AnalysisOptions, launch: LaunchOptions | None, echo: Callable[[str], None],
+              progress: Callable[[str], None]) -> int:
+    """The audit: 0 pass, 1 divergence found, 2 incomplete or unusable (raised as MoetraceError)."""
+    traffic_problem, launch_doc = None, None
+    if launch is not None:
+        if opts.trace:
+            raise MoetraceError("audit: give either TRACE folders or --launch, not both")
+        if not (opts.index or opts.checkpoint):
+            raise MoetraceError("audit --launch: give --index FILE or --checkpoint CKPT to compare against")
+        run_dir, traffic_problem, launch_doc = _launch(launch, opts, progress)
+        opts = AnalysisOptions(**{**opts.__dict__, "trace": (run_dir,)})
+    elif not opts.trace:
+        raise MoetraceError("audit: give a TRACE folder (OUT/<run_id>) or --launch CMD")
+    try:
+        rep = run_analysis("audit", opts, echo, extra_doc=launch_doc)
+    except MoetraceError as err:
+        if traffic_problem:  # say why first: the empty trace is only the consequence
+            msg = f"audit --launch: {traffic_problem}; then: {err}"
+            opts.reports.write_unusable(msg)
+            raise MoetraceError(msg) from None
+        raise
+    code = rep.exit_code
+    if traffic_problem and code == 0:
+        code = 2  # a trace of traffic that did not happen proves nothing
+    if not opts.as_json:
+        if traffic_problem:
+            echo(f"audit: traffic problem: {traffic_problem}")
+        echo(f"audit: exit {code} ({AUDIT_WORDS[code]})")
+    return code
+
+
+def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[str], None]) -> tuple[str, str | None, dict]:
+    """Run the server under the launcher and drive its traffic; returns (run folder,
+    traffic problem or None, the launch facts for the JSON report)."""
+    config = dict(launch.hook_config, out=launch.out)
+    if launch.run_id:
+        config["run_id"] = launch.run_id
+    if opts.index:
+        config.setdefault("checkpoint_id", index_metadata(opts.index)["checkpoint_id"])
+    elif opts.checkpoint:
+        config.setdefault("checkpoint_id", open_checkpoint(opts.checkpoint).identity)
+    try:
+        run_dir, server_code, res = launch_and_drive(launch.command, config, launch.traffic, launch.base_url,
+                                                     echo=progress, sglang_version=launch.sglang_version)
+    except MoetraceError as err:
+        opts.reports.write_unusable(f"audit --launch: {err}")
+        raise
+    problem = None if res.ok else (res.error or "traffic did not complete")
+    progress(f"moetrace: server exited with {server_code}; {res.sent} requests answered, {res.failed} failed")
+    doc = {"launch": {"command": launch.command, "run_dir": run_dir, "server_exit_code": server_code,
+                      "requests_answered": res.sent, "requests_failed": res.failed,
+                      "seconds_to_healthy": res.seconds_to_ready, "latencies_s": res.latencies_s,
+                      "traffic_problem": problem}}
+    return run_dir, problem, doc

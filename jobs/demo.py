@@ -169,21 +169,18 @@ def print_demo(summary: dict, echo: Callable[[str], None] = print) -> None:
 # ------------------------------------------------------------------ selftest
 
 
-def detector_proof(workdir: Path, device: str = "cpu", quick: bool = True, sabotage: dict | None = None) -> dict:
+def detector_proof(workdir: Path, device: str = "cpu", quick: bool = True) -> dict:
     """The detector proof of `moetrace selftest`: on this device, the unfenced
     transport must be caught as E+2 on rank 1's w2 scales, and the fenced one
-    must pass with full coverage, on the same injected schedule.
+    must pass with full coverage, on the same injected schedule."""
+    pair = run_pair(Path(workdir) / "detector", QUICK if quick else FULL, device)
+    return judge_detector(pair["runs"]["unfenced"]["report"], pair["runs"]["fenced"]["report"])
 
-    sabotage (tests only), each of which must make the proof fail:
-    {"injection": True} runs without the slow peer; {"fence": True} runs the
-    "fenced" side without its fence.
-    """
-    sabotage = sabotage or {}
-    slow_rank = None if sabotage.get("injection") else 1
-    runs = (("unfenced", "none"), ("fenced", "none" if sabotage.get("fence") else "all"))
-    pair = run_pair(Path(workdir) / "detector", QUICK if quick else FULL, device, slow_rank, runs=runs)
-    unf = pair["runs"]["unfenced"]["report"]
-    fen = pair["runs"]["fenced"]["report"]
+
+def judge_detector(unf, fen) -> dict:
+    """The detector proof's verdict on two analyzed runs of one schedule: the unfenced
+    report must name E+2 on rank 1's w2 scales first, the fenced one must be a clean,
+    complete audit."""
     first = [e for f in unf.doc["first_divergence"] for e in f["entries"]]
     caught = unf.exit_code == 1 and any(
         e["verdict"] == "stale" and e.get("k") == 2 and e["tp_rank"] == 1 and e["tensor"] == "w2_weight_scale_inv"

@@ -24,13 +24,10 @@ from typing import Callable
 
 import torch
 
+from moetrace.jobs import demo
 from moetrace.jobs.timing import best_of
 from moetrace import fingerprint as F
 from moetrace.schema import dtype_name
-
-# Hooks for tests that must see each proof fail: set by monkeypatching, never by users.
-_SABOTAGE: dict[str, bool] = {}
-
 
 @dataclass
 class Proof:
@@ -86,15 +83,16 @@ def _agreement_cases(quick: bool) -> list[tuple[str, torch.Tensor]]:
     return cases
 
 
-def prove_fingerprint(device: str, quick: bool) -> Proof:
+def prove_fingerprint(device: str, quick: bool, on_device: Callable[[torch.Tensor], F.Fingerprint] | None = None) -> Proof:
+    """``on_device(t)``: the device path under proof (default: the torch path on `device`)."""
+
     def run():
         dev = check_device(device)
+        device_fp = on_device or (lambda t: F.fingerprint(t.to(dev), "torch"))
         mismatches, checked = [], 0
         for label, t in _agreement_cases(quick):
             cpu = F.fingerprint(t, "numpy", threads=False)
-            on_dev = F.fingerprint(t.to(dev), "torch")
-            if _SABOTAGE.get("fingerprint"):
-                on_dev = F.Fingerprint(bytes(16), on_dev.chunk_digests, on_dev.nbytes)
+            on_dev = device_fp(t)
             checked += 1
             if cpu != on_dev:
                 mismatches.append(label)
@@ -205,9 +203,7 @@ def _capture_cost(dev: torch.device, quick: bool, sync) -> dict:
 def prove_detector(device: str, quick: bool, workdir: Path) -> Proof:
     def run():
         check_device(device)
-        from moetrace.jobs import demo
-
-        res = demo.detector_proof(workdir, device=device, quick=quick, sabotage=dict(_SABOTAGE))
+        res = demo.detector_proof(workdir, device=device, quick=quick)
         return res["ok"], res["detail"], res
 
     return _timed("detector", run)

@@ -7,9 +7,13 @@ data generator as ``synthetic_trace``; neither is part of the moetrace package.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -44,3 +48,24 @@ def ckpt_copy(make_ckpt, tmp_path):
         return shutil.copytree(make_ckpt(**kw), tmp_path / "c")
 
     return copy
+
+
+@dataclass
+class DemoRun:
+    returncode: int
+    summary: dict | None  # the --json summary
+    workdir: Path  # checkpoint/, index.parquet, traces/{unfenced,fenced}, reports/
+    stderr: str
+    shm_before: set
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> DemoRun:
+    """`moetrace demo --quick --json` once per session: the emulated unfenced/fenced pair
+    on one injected schedule that the end-to-end and selftest tests read and re-analyze."""
+    work = tmp_path_factory.mktemp("demo")
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    proc = subprocess.run([sys.executable, "-m", "moetrace.cli", "demo", "--quick", "--json", "--workdir", str(work)],
+                          capture_output=True, text=True, timeout=600)
+    summary = json.loads(proc.stdout) if proc.returncode in (0, 1) and proc.stdout.strip() else None
+    return DemoRun(proc.returncode, summary, work, proc.stderr, before)

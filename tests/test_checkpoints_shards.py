@@ -1,6 +1,6 @@
 """checkpoints.shards: expected per-rank FusedMoE tensors equal an independent
 reference built only from synthetic_values at the global coordinates SGLang's
-loader places on each rank (DESIGN.md section 3), for every family and format."""
+loader places on each rank (docs/checkpoints.md), for every family and format."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from moetrace.emulator.shm import list_segments
+from moetrace.analysis import analyze
 from moetrace.jobs import demo
 
 CLI = [sys.executable, "-m", "moetrace.cli"]
@@ -49,12 +49,12 @@ def _children_alive(pids) -> list[int]:
     return alive
 
 
-@pytest.mark.parametrize("attempt", range(3))
-def test_unfenced_caught_every_run_fenced_clean(tmp_path, attempt):
-    before = _shm()
-    pair = demo.run_pair(tmp_path, demo.QUICK)
-    unf, fen = pair["runs"]["unfenced"], pair["runs"]["fenced"]
-    rep = unf["report"]
+def test_demo_unfenced_caught_fenced_clean(demo_run):
+    """The demo's pair (one injected schedule, `moetrace demo --quick --json`), re-analyzed:
+    the unfenced transport is caught as E+2 and the fenced one passes with full coverage."""
+    assert demo_run.returncode == 0, demo_run.stderr
+    work = demo_run.workdir
+    rep = analyze([str(work / "traces" / "unfenced")], index=str(work / "index.parquet"))
     assert rep.exit_code == 1
     first = rep.doc["first_divergence"][0]
     assert first["ranks"] == [1] and first["layer"] == 0 and first["step"] == 0
@@ -67,24 +67,20 @@ def test_unfenced_caught_every_run_fenced_clean(tmp_path, attempt):
     assert staged and all(s["tp_rank"] == 1 and s["tensor"] == "w2_weight_scale_inv" for s in staged)
     assert all(s["sentence"].endswith(f"{n - 2}/{n} w2_weight_scale_inv are E+2") for s in staged)
     assert rep.doc["totals"]["by_verdict"]["stale"] == rep.doc["totals"]["divergent"] > 0
-    assert unf["token0_max_abs_delta"] > 0
     # fenced: every expected tensor captured and matching, the reference reproduced exactly
-    frep = fen["report"]
+    frep = analyze([str(work / "traces" / "fenced")], index=str(work / "index.parquet"))
     assert frep.exit_code == 0
     t = frep.doc["totals"]
     assert t["missing"] == 0 and t["divergent"] == 0 and t["match"] == t["tensors"] > 0
-    assert fen["token0_max_abs_delta"] == 0 and fen["tokens_equal_reference"]
-    for run in (unf, fen):
-        assert not _children_alive(run["result"].pids)
-        assert list_segments(run["result"].shm_prefix) == []  # nothing leaked
-    assert _leaked(before) == []
+    unf, fen = demo_run.summary["runs"]["unfenced"], demo_run.summary["runs"]["fenced"]
+    assert unf["token0_max_abs_logit_delta_vs_reference"] > 0
+    assert fen["token0_max_abs_logit_delta_vs_reference"] == 0 and fen["tokens_equal_reference"]
+    assert _leaked(demo_run.shm_before) == []  # the demo's ranks are gone and left no segments
 
 
-def test_demo_command_json(tmp_path):
-    proc = subprocess.run([*CLI, "demo", "--quick", "--json", "--workdir", str(tmp_path)], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    s = json.loads(proc.stdout)
+def test_demo_command_json(demo_run):
+    assert demo_run.returncode == 0, demo_run.stderr
+    s = demo_run.summary
     assert s["race_found"] and s["fix_validated"]
     unf, fen = s["runs"]["unfenced"], s["runs"]["fenced"]
     assert "(E+2)" in unf["first_divergence"][0] and unf["audit_exit_code"] == 1
@@ -95,11 +91,10 @@ def test_demo_command_json(tmp_path):
         assert Path(run["reports"]["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_demo_text_output(tmp_path):
-    proc = subprocess.run([*CLI, "demo", "--quick", "--workdir", str(tmp_path)], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+def test_demo_text_output(demo_run):
+    lines = []
+    demo.print_demo(demo_run.summary, lines.append)
+    out = "\n".join(lines) + "\n"
     assert "first divergence: step 0, layer 0, rank 1, expert 0: w2_weight_scale_inv holds expert 2 (E+2)" in out
     assert "race found unfenced; fix validated fenced" in out
     assert "token 0 vs reference: max |logit delta| 0\n" in out  # fenced is exact
@@ -159,7 +154,7 @@ def test_audit_launch_fenced_exits_0(ckpt, tmp_path):
 )
 def test_audit_launch_server_never_healthy_exits_2_with_reports(ckpt, tmp_path, server, why):
     cmd = [*CLI, "audit", "--launch", f"{sys.executable} -c '{server}' --port {_port()}",
-           "--checkpoint", str(ckpt), "--out", str(tmp_path / "traces"), "--ready-timeout", "3",
+           "--checkpoint", str(ckpt), "--out", str(tmp_path / "traces"), "--ready-timeout", "1",
            "--junit", str(tmp_path / "j.xml"), "--json-out", str(tmp_path / "a.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -12,19 +12,30 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from moetrace.jobs import selftest as st
+from moetrace import fingerprint as F
+from moetrace.analysis import analyze
 from moetrace.cli import main
+from moetrace.jobs import demo
+from moetrace.jobs import selftest as st
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_selftest_cpu_quick_passes_via_cli(tmp_path):
-    # What CI runs: the whole selftest on this machine.
-    proc = subprocess.run([sys.executable, "-m", "moetrace.cli", "selftest", "--device", "cpu", "--quick", "--json",
-                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(proc.stdout)
-    assert doc["exit_code"] == 0 and doc["device"] == "cpu"
+@pytest.fixture(scope="module")
+def gpu_script_dry_run(tmp_path_factory):
+    """The one-command GPU run, on CPU (DRY_RUN=1): its selftest step is exactly what CI runs,
+    `moetrace selftest --device cpu --quick --json`."""
+    out = tmp_path_factory.mktemp("gpu-dry-run")
+    env = dict(os.environ, DRY_RUN="1", QUICK="1", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_selftest.sh"), str(out)], capture_output=True,
+                          text=True, timeout=900, env=env)
+    return proc, out
+
+
+def test_selftest_cpu_quick_passes(gpu_script_dry_run):
+    _, out = gpu_script_dry_run
+    doc = json.loads((out / "selftest.out").read_text())
+    assert doc["exit_code"] == 0 and doc["device"] == "cpu", (out / "selftest.err").read_text()
     proofs = {p["name"]: p for p in doc["proofs"]}
     assert set(proofs) == {"fingerprint", "detector", "throughput"}
     assert proofs["fingerprint"]["ok"] and proofs["fingerprint"]["data"]["cases"] > 40
@@ -35,29 +46,36 @@ def test_selftest_cpu_quick_passes_via_cli(tmp_path):
         assert data[key] > 0
 
 
-def _only(monkeypatch, name, key, tmp_path):
-    monkeypatch.setitem(st._SABOTAGE, key, True)
-    code, proofs = st.run_selftest("cpu", quick=True, workdir=str(tmp_path), only=(name,))
-    return code, proofs[0]
+def test_broken_device_fingerprint_fails_the_proof():
+    def zero_digest(t):  # a device path that loses the digest but keeps the chunk digests
+        good = F.fingerprint(t, "torch")
+        return F.Fingerprint(bytes(16), good.chunk_digests, good.nbytes)
+
+    proof = st.prove_fingerprint("cpu", quick=True, on_device=zero_digest)
+    assert proof.ok is False and "!= CPU" in proof.detail
+    assert st.prove_fingerprint("cpu", quick=True).ok is True  # the real path, for contrast
 
 
-def test_broken_device_fingerprint_fails_the_proof(monkeypatch, tmp_path):
-    code, proof = _only(monkeypatch, "fingerprint", "fingerprint", tmp_path)
-    assert code == 1 and proof.ok is False and "!= CPU" in proof.detail
+def _demo_reports(demo_run):
+    work = demo_run.workdir
+    return [analyze([str(work / "traces" / run)], index=str(work / "index.parquet")) for run in ("unfenced", "fenced")]
 
 
-def test_disabled_slow_peer_injection_fails_the_detector(monkeypatch, tmp_path):
-    code, proof = _only(monkeypatch, "detector", "injection", tmp_path)
-    assert code == 1 and proof.ok is False
-    assert "unfenced run not caught" in proof.detail
+def test_detector_verdict_on_the_demo_pair(demo_run):
+    res = demo.judge_detector(*_demo_reports(demo_run))
+    assert res["ok"] and "(E+2)" in res["detail"], res
 
 
-def test_missing_fence_fails_the_detector(monkeypatch, tmp_path):
-    code, proof = _only(monkeypatch, "detector", "fence", tmp_path)
-    assert code == 1 and proof.ok is False and "fenced run is not a clean" in proof.detail
+def test_missing_fence_fails_the_detector(demo_run):
+    """The negative control: the fenced side run without its fence is, on this deterministic
+    schedule, the unfenced run. (A run without the slow-peer injection is no control at all:
+    on two cores the race shows with no injected delay too.)"""
+    unf, _ = _demo_reports(demo_run)
+    res = demo.judge_detector(unf, unf)
+    assert not res["ok"] and "fenced run is not a clean" in res["detail"]
 
 
-def test_broken_verdict_path_fails_the_detector(monkeypatch, tmp_path):
+def test_broken_verdict_path_fails_the_detector(demo_run, monkeypatch):
     from moetrace.analysis import verdicts
 
     real = verdicts.relation_score
@@ -67,8 +85,8 @@ def test_broken_verdict_path_fails_the_detector(monkeypatch, tmp_path):
         return np.full_like(code, verdicts.WRONG_TENSOR), score  # every content match called "wrong tensor"
 
     monkeypatch.setattr(verdicts, "relation_score", blind_to_experts)
-    code, proofs = st.run_selftest("cpu", quick=True, workdir=str(tmp_path), only=("detector",))
-    assert code == 1 and proofs[0].ok is False and "not caught as E+2" in proofs[0].detail
+    res = demo.judge_detector(*_demo_reports(demo_run))
+    assert not res["ok"] and "not caught as E+2" in res["detail"]
 
 
 def test_cuda_unavailable_is_exit_2_with_reason():
@@ -78,13 +96,10 @@ def test_cuda_unavailable_is_exit_2_with_reason():
     assert r.exit_code == 2 and "no CUDA device" in r.output and "could not run" in r.output
 
 
-def test_gpu_script_dry_run(tmp_path):
-    # The one-command GPU run, on CPU: every step runs and the table is printed.
-    env = dict(os.environ, DRY_RUN="1", QUICK="1", PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_selftest.sh"), str(tmp_path)], capture_output=True,
-                          text=True, timeout=900, env=env)
+def test_gpu_script_dry_run(gpu_script_dry_run):
+    # Every step of the one-command GPU run runs on CPU and the summary table is printed.
+    proc, out = gpu_script_dry_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    steps = (tmp_path / "steps.txt").read_text().split("\n")
+    steps = (out / "steps.txt").read_text().split("\n")
     assert all(" rc=0 " in line for line in steps if line), steps
     assert "| selftest | exit 0" in proc.stdout and "fingerprint_all_cores" in proc.stdout
-    assert json.loads((tmp_path / "selftest.out").read_text())["exit_code"] == 0

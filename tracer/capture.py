@@ -23,7 +23,8 @@ from moetrace.tracer.config import TraceConfig
 from moetrace.fingerprint import finalize, row_bytes, row_lanes
 from moetrace.tracer.online import MISMATCH, OnlineIndex
 from moetrace.schema import TENSOR_NAMES, RankIdentity, dtype_name
-from moetrace.tracer.sink import CaptureBatch, TraceSink
+from moetrace.tracer.batch import CaptureBatch
+from moetrace.tracer.sink import TraceSink
 
 log = logging.getLogger("moetrace.capture")
 

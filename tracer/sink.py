@@ -22,58 +22,24 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
 from moetrace.errors import MoetraceError
 from moetrace import storage
-from moetrace.fingerprint import Fingerprint, finalize
+from moetrace.fingerprint import finalize
+from moetrace.tracer.batch import CaptureBatch, record_batch
+from moetrace.tracer.dumps import write_dump
 from moetrace.tracer.manifest import MANIFEST_NAME, new_rank_manifest, rank_dir_name, utc_now
 from moetrace.tracer.online import OnlineIndex
-from moetrace.schema import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RankIdentity, copy_position
+from moetrace.schema import TRACE_SCHEMA
 
 log = logging.getLogger("moetrace.sink")
 
 _TICK_S = 0.25  # writer wake-up period (control file, flush deadline)
-
-
-@dataclass
-class CaptureBatch:
-    """All captured experts of one parameter in one capture event."""
-
-    ranks: RankIdentity
-    step: int
-    source: str  # "resident" | "staged"
-    capture_seq: int
-    layer: int
-    tensor: str
-    dtype: str
-    shape: list[int]  # per-expert shape
-    nbytes: int  # per expert
-    experts: list[int]  # global ids, one per row
-    local_experts: list[int]
-    positions: list[int]  # transport_position per row
-    time_ns: int
-    lanes: np.ndarray | torch.Tensor | None = None  # [rows, chunks, 4] on the host
-    ready: object | None = None  # torch.cuda.Event to wait on before reading lanes
-    fps: list[Fingerprint] | None = None  # set when already finalized (sync verification)
-    online: list[str | None] | None = None
-    dumps: list[tuple[int, torch.Tensor, bytes | None, bytes]] = field(default_factory=list)
-    # (expert, host tensor copy, expected fp, captured fp) for mismatches to dump
-
-    @property
-    def n_rows(self) -> int:
-        return len(self.experts)
-
-    @property
-    def host_bytes(self) -> int:
-        lanes = 0 if self.lanes is None else int(self.lanes.nbytes) if isinstance(self.lanes, np.ndarray) else self.lanes.numel() * 8
-        return lanes + sum(int(t.numel() * t.element_size()) for _, t, _, _ in self.dumps) + 256 * self.n_rows
 
 
 class _Flush:
@@ -309,36 +275,8 @@ class TraceSink:
                 chunks = [f.chunk_digests if v != "match" else None for f, v in zip(fps, online)]
             else:
                 chunks = [None] * b.n_rows
-            n = b.n_rows
-            r = b.ranks
-            cols = {
-                "schema_version": [TRACE_SCHEMA_VERSION] * n,
-                "run_id": [self._m["run_id"]] * n,
-                "tp_size": [r.tp_size] * n,
-                "tp_rank": [r.tp_rank] * n,
-                "ep_size": [r.ep_size] * n,
-                "ep_rank": [r.ep_rank] * n,
-                "moe_tp_size": [r.moe_tp_size] * n,
-                "moe_tp_rank": [r.moe_tp_rank] * n,
-                "step": [b.step] * n,
-                "source": [b.source] * n,
-                "capture_seq": [b.capture_seq] * n,
-                "transport_position": b.positions,
-                "layer": [b.layer] * n,
-                "expert": b.experts,
-                "local_expert": b.local_experts,
-                "tensor": [b.tensor] * n,
-                "copy_position": [copy_position(b.tensor)] * n,
-                "dtype": [b.dtype] * n,
-                "shape": [b.shape] * n,
-                "nbytes": [b.nbytes] * n,
-                "digest": digests,
-                "chunk_digests": chunks,
-                "online": online,
-                "time_ns": [b.time_ns] * n,
-            }
-            self._batches.append(pa.RecordBatch.from_pydict(cols, schema=TRACE_SCHEMA))
-            self._buffered_rows += n
+            self._batches.append(record_batch(b, self._m["run_id"], digests, chunks, online))
+            self._buffered_rows += b.n_rows
             with self._lock:
                 for v in online:
                     key = "unchecked" if v is None else v
@@ -353,27 +291,16 @@ class TraceSink:
             b.dumps = []
 
     def _dump(self, b: CaptureBatch, expert: int, tensor: torch.Tensor, want: bytes | None, got: bytes) -> None:
-        from safetensors.torch import save
-
-        name = f"step{b.step}-L{b.layer}-E{expert}-{b.tensor}-{b.source}-seq{b.capture_seq}.safetensors"
-        path = storage.join(self.rank_dir, "dumps", name)
-        meta = {
-            "run_id": self._m["run_id"], "tp_rank": str(b.ranks.tp_rank), "step": str(b.step), "layer": str(b.layer),
-            "expert": str(expert), "tensor": b.tensor, "source": b.source, "capture_seq": str(b.capture_seq),
-            "digest": got.hex(), "expected_digest": want.hex() if want else "",
-        }
         try:
-            data = save({b.tensor: tensor.contiguous()}, metadata=meta)
-            storage.make_dirs(self.fs, storage.join(self.rank_dir, "dumps"))
-            storage.write_atomic(self.fs, path, data)
+            rel, nbytes = write_dump(self.fs, self.rank_dir, self._m["run_id"], b, expert, tensor, want, got)
         except Exception as err:
-            self.record_error("sink", f"dump {name}: {type(err).__name__}: {err}")
+            self.record_error("sink", f"dump of layer {b.layer} expert {expert} {b.tensor}: {type(err).__name__}: {err}")
             return
         with self._lock:
             d = self._m["dumps"]
             d["count"] += 1
-            d["bytes"] += len(data)
-            d["files"].append(f"dumps/{name}")
+            d["bytes"] += nbytes
+            d["files"].append(rel)
 
     def _flush_part(self) -> None:
         if not self._batches:

@@ -36,7 +36,8 @@ from moetrace.fingerprint import CHUNK_BYTES, Fingerprint, fingerprint, n_chunks
 from moetrace.schema import COPY_ORDERS, TRACE_SCHEMA, RankIdentity, dtype_name
 from moetrace import storage
 from moetrace.tracer.manifest import MANIFEST_NAME, RUN_MANIFEST_NAME, new_run_manifest, rank_dir_name
-from moetrace.tracer.sink import CaptureBatch, TraceSink
+from moetrace.tracer.batch import CaptureBatch
+from moetrace.tracer.sink import TraceSink
 
 Corruption = tuple | None
 

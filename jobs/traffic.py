@@ -1,0 +1,161 @@
+"""Traffic for `moetrace audit --launch`: start the server with capture hooks
+(hooks.launch.Launcher: SGLang, the KT fork or moetrace's emulator), wait for
+/health, send prompts that take the staged path (fresh long prompts, then the same
+prefixes replayed with more text), stop the server cleanly (ranks close their
+traces first). jobs.audit analyzes the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Callable
+
+from moetrace.errors import MoetraceError
+
+WORDS = ("expert", "slot", "rank", "layer", "scale", "fence", "copy", "stream", "event", "prefill", "chunk",
+         "token", "shard", "weight", "block", "host", "device", "barrier", "writer", "reader")
+
+
+@dataclass
+class Traffic:
+    requests: int = 3  # fresh long prompts
+    prompt_tokens: int = 2048  # about this many words each
+    replays: int = 1  # each prompt replayed this many times with an extension (prefix-cache hits)
+    max_tokens: int = 4
+    ready_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+
+
+@dataclass
+class TrafficResult:
+    ok: bool = False
+    sent: int = 0
+    failed: int = 0
+    error: str | None = None
+    seconds_to_ready: float | None = None
+    latencies_s: list[float] = field(default_factory=list)
+
+
+def prompt(i: int, words: int) -> str:
+    """A deterministic prompt of `words` words, different for each i."""
+    n = len(WORDS)
+    return " ".join(WORDS[(i * 7 + j * (i + 3) + j // n) % n] for j in range(max(1, words)))
+
+
+def _is_emulator(cmd: list[str]) -> bool:
+    return "serve" in cmd and any(t.endswith("moetrace") or t == "moetrace.cli" for t in cmd[: cmd.index("serve")])
+
+
+def base_url_from(cmd: list[str], explicit: str | None) -> str:
+    if explicit:
+        return explicit.rstrip("/")
+    if _is_emulator(cmd) and not any(t == "--port" or t.startswith("--port=") for t in cmd):
+        raise MoetraceError("--launch: `moetrace serve` picks a random port without --port; give it --port N "
+                            "(or pass --base-url)")
+    host, port = "127.0.0.1", "30000"  # SGLang's defaults
+    for i, tok in enumerate(cmd):
+        for flag, setter in (("--port", "port"), ("--host", "host")):
+            if tok == flag and i + 1 < len(cmd):
+                if setter == "port":
+                    port = cmd[i + 1]
+                else:
+                    host = cmd[i + 1]
+            elif tok.startswith(flag + "="):
+                if setter == "port":
+                    port = tok.split("=", 1)[1]
+                else:
+                    host = tok.split("=", 1)[1]
+    if port == "0":
+        raise MoetraceError("--launch: the server command uses --port 0; give a fixed --port or --base-url")
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"http://{host}:{port}"
+
+
+def _get(url: str, timeout: float) -> int:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.status
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read() or b"{}")
+
+
+def drive(base_url: str, traffic: Traffic, server_alive: Callable[[], bool], echo: Callable[[str], None]) -> TrafficResult:
+    """Wait for health, then send the prompts; never raises."""
+    res = TrafficResult()
+    t0 = time.monotonic()
+    while True:
+        if not server_alive():
+            res.error = f"the server exited before {base_url}/health answered"
+            return res
+        try:
+            if _get(f"{base_url}/health", timeout=5) == 200:
+                break
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        if time.monotonic() - t0 > traffic.ready_timeout_s:
+            res.error = (f"the server never answered {base_url}/health within {traffic.ready_timeout_s:.0f} s "
+                         "(--ready-timeout; is --port/--base-url right?)")
+            return res
+        time.sleep(0.5)
+    res.seconds_to_ready = round(time.monotonic() - t0, 2)
+    echo(f"moetrace: server healthy at {base_url} after {res.seconds_to_ready} s; sending "
+         f"{traffic.requests} fresh prompts x (1 + {traffic.replays} replays) of ~{traffic.prompt_tokens} words")
+    for i in range(traffic.requests):
+        base = prompt(i, traffic.prompt_tokens)
+        for r in range(traffic.replays + 1):
+            text = base if r == 0 else f"{base} {prompt(1000 + i * 10 + r, 16)}"
+            t = time.monotonic()
+            try:
+                _post(f"{base_url}/v1/completions",
+                      {"prompt": text, "max_tokens": traffic.max_tokens, "temperature": 0}, traffic.request_timeout_s)
+                res.sent += 1
+                res.latencies_s.append(round(time.monotonic() - t, 3))
+            except (urllib.error.URLError, OSError, ValueError) as err:
+                res.failed += 1
+                res.error = f"request {res.sent + res.failed} failed: {err}"
+                if not server_alive():
+                    return res
+    res.ok = res.failed == 0
+    return res
+
+
+def launch_and_drive(server_cmd: str | list[str], config: dict, traffic: Traffic, base_url: str | None = None,
+                     echo: Callable[[str], None] = print, **launcher_kwargs) -> tuple[str, int, TrafficResult]:
+    """Run the server under the Launcher, drive traffic from a thread, stop it.
+
+    Returns (run folder URL/path, server exit code, traffic result).
+    """
+    from moetrace.hooks.launch import Launcher
+
+    cmd = shlex.split(server_cmd) if isinstance(server_cmd, str) else list(server_cmd)
+    if not cmd:
+        raise MoetraceError("--launch: empty server command")
+    url = base_url_from(cmd, base_url)
+    launcher = Launcher(cmd, config, echo=echo, **launcher_kwargs)
+    result = TrafficResult()
+
+    def worker():
+        nonlocal result
+        try:
+            result = drive(url, traffic, lambda: launcher.proc is None or launcher.proc.poll() is None, echo)
+        except Exception as err:  # drive never raises; belt and braces for the thread
+            result.error = f"traffic driver crashed: {err}"
+        finally:
+            # Same path as a Ctrl-C: ranks close their traces, then SIGTERM.
+            launcher.stop("traffic done")
+
+    thread = threading.Thread(target=worker, name="moetrace-traffic", daemon=True)
+    thread.start()
+    code = launcher.run()
+    thread.join(timeout=30)
+    return f"{launcher.config['out'].rstrip('/')}/{launcher.run_id}", code, result

@@ -1,0 +1,81 @@
+"""One capture batch (all captured experts of one tensor in one capture event) and
+its trace rows (schema.TRACE_SCHEMA)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from moetrace.fingerprint import Fingerprint
+from moetrace.schema import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RankIdentity, copy_position
+
+
+@dataclass
+class CaptureBatch:
+    """All captured experts of one parameter in one capture event."""
+
+    ranks: RankIdentity
+    step: int
+    source: str  # "resident" | "staged"
+    capture_seq: int
+    layer: int
+    tensor: str
+    dtype: str
+    shape: list[int]  # per-expert shape
+    nbytes: int  # per expert
+    experts: list[int]  # global ids, one per row
+    local_experts: list[int]
+    positions: list[int]  # transport_position per row
+    time_ns: int
+    lanes: np.ndarray | torch.Tensor | None = None  # [rows, chunks, 4] on the host
+    ready: object | None = None  # torch.cuda.Event to wait on before reading lanes
+    fps: list[Fingerprint] | None = None  # set when already folded (synchronous verification)
+    online: list[str | None] | None = None
+    dumps: list[tuple[int, torch.Tensor, bytes | None, bytes]] = field(default_factory=list)
+    # (expert, host copy of the tensor, expected digest, captured digest) of mismatches to dump
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.experts)
+
+    @property
+    def host_bytes(self) -> int:
+        lanes = 0 if self.lanes is None else int(self.lanes.nbytes) if isinstance(self.lanes, np.ndarray) else self.lanes.numel() * 8
+        return lanes + sum(int(t.numel() * t.element_size()) for _, t, _, _ in self.dumps) + 256 * self.n_rows
+
+
+def record_batch(b: CaptureBatch, run_id: str, digests: list[bytes], chunks: list[bytes | None],
+                 online: list[str | None]) -> pa.RecordBatch:
+    """The batch's trace rows, one per captured expert."""
+    n = b.n_rows
+    r = b.ranks
+    cols = {
+        "schema_version": [TRACE_SCHEMA_VERSION] * n,
+        "run_id": [run_id] * n,
+        "tp_size": [r.tp_size] * n,
+        "tp_rank": [r.tp_rank] * n,
+        "ep_size": [r.ep_size] * n,
+        "ep_rank": [r.ep_rank] * n,
+        "moe_tp_size": [r.moe_tp_size] * n,
+        "moe_tp_rank": [r.moe_tp_rank] * n,
+        "step": [b.step] * n,
+        "source": [b.source] * n,
+        "capture_seq": [b.capture_seq] * n,
+        "transport_position": b.positions,
+        "layer": [b.layer] * n,
+        "expert": b.experts,
+        "local_expert": b.local_experts,
+        "tensor": [b.tensor] * n,
+        "copy_position": [copy_position(b.tensor)] * n,
+        "dtype": [b.dtype] * n,
+        "shape": [b.shape] * n,
+        "nbytes": [b.nbytes] * n,
+        "digest": digests,
+        "chunk_digests": chunks,
+        "online": online,
+        "time_ns": [b.time_ns] * n,
+    }
+    return pa.RecordBatch.from_pydict(cols, schema=TRACE_SCHEMA)

@@ -1,0 +1,32 @@
+"""Forensic dumps: a mismatching tensor's bytes as safetensors, capped by the sink.
+
+``OUT/<run_id>/rank=<r>/dumps/step<S>-L<L>-E<E>-<tensor>-<source>-seq<N>.safetensors``,
+with the captured and expected digests in its metadata.
+"""
+
+from __future__ import annotations
+
+import pyarrow.fs as pafs
+import torch
+
+from moetrace import storage
+from moetrace.tracer.batch import CaptureBatch
+
+DUMP_DIR = "dumps"
+
+
+def write_dump(fs: pafs.FileSystem, rank_dir: str, run_id: str, b: CaptureBatch, expert: int, tensor: torch.Tensor,
+               want: bytes | None, got: bytes) -> tuple[str, int]:
+    """Write one dump atomically; returns (path relative to the rank folder, bytes)."""
+    from safetensors.torch import save  # only when something mismatched: the hook stays light
+
+    name = f"step{b.step}-L{b.layer}-E{expert}-{b.tensor}-{b.source}-seq{b.capture_seq}.safetensors"
+    meta = {
+        "run_id": run_id, "tp_rank": str(b.ranks.tp_rank), "step": str(b.step), "layer": str(b.layer),
+        "expert": str(expert), "tensor": b.tensor, "source": b.source, "capture_seq": str(b.capture_seq),
+        "digest": got.hex(), "expected_digest": want.hex() if want else "",
+    }
+    data = save({b.tensor: tensor.contiguous()}, metadata=meta)
+    storage.make_dirs(fs, storage.join(rank_dir, DUMP_DIR))
+    storage.write_atomic(fs, storage.join(rank_dir, DUMP_DIR, name), data)
+    return f"{DUMP_DIR}/{name}", len(data)
