@@ -50,6 +50,25 @@ def ckpt_copy(make_ckpt, tmp_path):
     return copy
 
 
+def once_per_session(tmp_path_factory, name: str, make) -> dict:
+    """make(folder) -> JSON-able dict, run once for the whole test session even with
+    pytest-xdist workers (they share the base temp folder's parent): the first caller
+    runs it under a file lock, the others read its result."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # popen-gwN/: the parent is this session's, shared
+        root = root.parent
+    done = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            folder = root / name
+            folder.mkdir(exist_ok=True)
+            done.write_text(json.dumps(make(folder)))
+    return json.loads(done.read_text())
+
+
 @dataclass
 class DemoRun:
     returncode: int
@@ -63,9 +82,28 @@ class DemoRun:
 def demo_run(tmp_path_factory) -> DemoRun:
     """`moetrace demo --quick --json` once per session: the emulated unfenced/fenced pair
     on one injected schedule that the end-to-end and selftest tests read and re-analyze."""
-    work = tmp_path_factory.mktemp("demo")
-    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    proc = subprocess.run([sys.executable, "-m", "moetrace.cli", "demo", "--quick", "--json", "--workdir", str(work)],
-                          capture_output=True, text=True, timeout=600)
-    summary = json.loads(proc.stdout) if proc.returncode in (0, 1) and proc.stdout.strip() else None
-    return DemoRun(proc.returncode, summary, work, proc.stderr, before)
+
+    def run(work: Path) -> dict:
+        before = sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else []
+        proc = subprocess.run([sys.executable, "-m", "moetrace.cli", "demo", "--quick", "--json", "--workdir", str(work)],
+                              capture_output=True, text=True, timeout=600)
+        summary = json.loads(proc.stdout) if proc.returncode in (0, 1) and proc.stdout.strip() else None
+        return {"returncode": proc.returncode, "summary": summary, "workdir": str(work), "stderr": proc.stderr,
+                "shm_before": before}
+
+    d = once_per_session(tmp_path_factory, "demo", run)
+    return DemoRun(d["returncode"], d["summary"], Path(d["workdir"]), d["stderr"], set(d["shm_before"]))
+
+
+@pytest.fixture(scope="session")
+def gpu_script_dry_run(tmp_path_factory) -> dict:
+    """`bash bench/gpu_selftest.sh` with DRY_RUN=1 QUICK=1 once per session: the one-command GPU
+    run on CPU; its selftest step is exactly what CI runs (`moetrace selftest --device cpu --quick --json`)."""
+    script = Path(HERE).parent / "bench" / "gpu_selftest.sh"
+
+    def run(out: Path) -> dict:
+        env = dict(os.environ, DRY_RUN="1", QUICK="1", PYTHON=sys.executable)
+        proc = subprocess.run(["bash", str(script), str(out)], capture_output=True, text=True, timeout=900, env=env)
+        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr, "out": str(out)}
+
+    return once_per_session(tmp_path_factory, "gpu-dry-run", run)

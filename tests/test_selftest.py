@@ -21,19 +21,8 @@ from moetrace.jobs import selftest as st
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def gpu_script_dry_run(tmp_path_factory):
-    """The one-command GPU run, on CPU (DRY_RUN=1): its selftest step is exactly what CI runs,
-    `moetrace selftest --device cpu --quick --json`."""
-    out = tmp_path_factory.mktemp("gpu-dry-run")
-    env = dict(os.environ, DRY_RUN="1", QUICK="1", PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_selftest.sh"), str(out)], capture_output=True,
-                          text=True, timeout=900, env=env)
-    return proc, out
-
-
 def test_selftest_cpu_quick_passes(gpu_script_dry_run):
-    _, out = gpu_script_dry_run
+    out = Path(gpu_script_dry_run["out"])
     doc = json.loads((out / "selftest.out").read_text())
     assert doc["exit_code"] == 0 and doc["device"] == "cpu", (out / "selftest.err").read_text()
     proofs = {p["name"]: p for p in doc["proofs"]}
@@ -98,8 +87,8 @@ def test_cuda_unavailable_is_exit_2_with_reason():
 
 def test_gpu_script_dry_run(gpu_script_dry_run):
     # Every step of the one-command GPU run runs on CPU and the summary table is printed.
-    proc, out = gpu_script_dry_run
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run, out = gpu_script_dry_run, Path(gpu_script_dry_run["out"])
+    assert run["returncode"] == 0, run["stdout"] + run["stderr"]
     steps = (out / "steps.txt").read_text().split("\n")
     assert all(" rc=0 " in line for line in steps if line), steps
-    assert "| selftest | exit 0" in proc.stdout and "fingerprint_all_cores" in proc.stdout
+    assert "| selftest | exit 0" in run["stdout"] and "fingerprint_all_cores" in run["stdout"]
