@@ -82,48 +82,9 @@ def diff(run_a: Sequence[str] | str, run_b: Sequence[str] | str, index: str | No
     only_a = int((m["_merge"] == "left_only").sum())
     only_b = int((m["_merge"] == "right_only").sum())
     with_verdicts = aa is not None
-    groups = []
-    if len(changed):
-        if with_verdicts:
-            for col in ("verdict", "k", "found_rank"):
-                for s in ("_a", "_b"):
-                    changed[col + s] = changed[col + s].astype(np.int64)
-            gcols = ["rank", "tensor", "verdict_a", "k_a", "found_rank_a", "verdict_b", "k_b", "found_rank_b"]
-        else:
-            gcols = ["rank", "layer", "tensor"]
-        g = changed.groupby(gcols, sort=True).agg(count=("step", "size"), steps=("step", "nunique"),
-                                                   layers=("layer", "nunique")).reset_index()
-        g = g.sort_values("count", ascending=False, kind="stable")
-        for r in g.itertuples(index=False):
-            doc = {"tp_rank": int(r.rank), "tensor": names[int(r.tensor)], "count": int(r.count), "steps": int(r.steps)}
-            if with_verdicts:
-                fr = _label(int(r.verdict_a), int(r.k_a), int(r.found_rank_a))
-                to = _label(int(r.verdict_b), int(r.k_b), int(r.found_rank_b))
-                doc.update({"from": fr, "to": to, "layers": int(r.layers)})
-                doc["sentence"] = f"rank {doc['tp_rank']}, {doc['tensor']}: {fmt_int(r.count)} entries {fr} → {to}"
-            else:
-                doc["layer"] = int(r.layer)
-                doc["sentence"] = (f"rank {doc['tp_rank']}, layer {doc['layer']}, {doc['tensor']}: "
-                                   f"{fmt_int(r.count)} entries changed fingerprint")
-            groups.append(doc)
-    first = None
-    rows = []
-    if len(changed):
-        changed = changed.sort_values(["step", "layer", "source", "transport_position_a", "copy_position_a", "rank"])
-        for r in changed.head(max_rows).itertuples(index=False):
-            doc = {"step": int(r.step), "layer": int(r.layer), "tp_rank": int(r.rank), "source": SOURCES[int(r.source)],
-                   "expert": int(r.expert), "tensor": names[int(r.tensor)], "fp_a": pair_to_hex(r.hi_a, r.lo_a),
-                   "fp_b": pair_to_hex(r.hi_b, r.lo_b)}
-            if with_verdicts:
-                doc["a"] = _label(int(r.verdict_a), int(r.k_a), int(r.found_rank_a))
-                doc["b"] = _label(int(r.verdict_b), int(r.k_b), int(r.found_rank_b))
-                what = f"{doc['a']} in A, {doc['b']} in B"
-            else:
-                what = "fingerprint differs"
-            doc["sentence"] = (f"step {doc['step']}, layer {doc['layer']}, rank {doc['tp_rank']}, expert {doc['expert']}: "
-                               f"{doc['tensor']} {what}")
-            rows.append(doc)
-        first = rows[0]
+    groups = _change_groups(changed, names, with_verdicts)
+    rows = _changed_rows(changed, names, with_verdicts, max_rows)
+    first = rows[0] if rows else None
     n_both = int(both.sum())
     sentence = f"{fmt_int(len(changed))} of {fmt_int(n_both)} entries present in both runs differ"
     if only_a or only_b:
@@ -147,6 +108,56 @@ def diff(run_a: Sequence[str] | str, run_b: Sequence[str] | str, index: str | No
             doc[side]["match"] = int((vv == MATCH).sum())
             doc[side]["rows"] = int(len(vv))
     return doc
+
+
+def _change_groups(changed: pd.DataFrame, names: list[str], with_verdicts: bool) -> list[dict]:
+    """Changed entries grouped: by verdict transition (with an index) or by rank, layer, tensor."""
+    groups = []
+    if len(changed):
+        if with_verdicts:
+            for col in ("verdict", "k", "found_rank"):
+                for s in ("_a", "_b"):
+                    changed[col + s] = changed[col + s].astype(np.int64)
+            gcols = ["rank", "tensor", "verdict_a", "k_a", "found_rank_a", "verdict_b", "k_b", "found_rank_b"]
+        else:
+            gcols = ["rank", "layer", "tensor"]
+        g = changed.groupby(gcols, sort=True).agg(count=("step", "size"), steps=("step", "nunique"),
+                                                   layers=("layer", "nunique")).reset_index()
+        g = g.sort_values("count", ascending=False, kind="stable")
+        for r in g.itertuples(index=False):
+            doc = {"tp_rank": int(r.rank), "tensor": names[int(r.tensor)], "count": int(r.count), "steps": int(r.steps)}
+            if with_verdicts:
+                fr = _label(int(r.verdict_a), int(r.k_a), int(r.found_rank_a))
+                to = _label(int(r.verdict_b), int(r.k_b), int(r.found_rank_b))
+                doc.update({"from": fr, "to": to, "layers": int(r.layers)})
+                doc["sentence"] = f"rank {doc['tp_rank']}, {doc['tensor']}: {fmt_int(r.count)} entries {fr} → {to}"
+            else:
+                doc["layer"] = int(r.layer)
+                doc["sentence"] = (f"rank {doc['tp_rank']}, layer {doc['layer']}, {doc['tensor']}: "
+                                   f"{fmt_int(r.count)} entries changed digest")
+            groups.append(doc)
+    return groups
+
+
+def _changed_rows(changed: pd.DataFrame, names: list[str], with_verdicts: bool, max_rows: int) -> list[dict]:
+    """The first `max_rows` changed entries, in first-divergence order."""
+    rows = []
+    if len(changed):
+        changed = changed.sort_values(["step", "layer", "source", "transport_position_a", "copy_position_a", "rank"])
+        for r in changed.head(max_rows).itertuples(index=False):
+            doc = {"step": int(r.step), "layer": int(r.layer), "tp_rank": int(r.rank), "source": SOURCES[int(r.source)],
+                   "expert": int(r.expert), "tensor": names[int(r.tensor)], "digest_a": pair_to_hex(r.hi_a, r.lo_a),
+                   "digest_b": pair_to_hex(r.hi_b, r.lo_b)}
+            if with_verdicts:
+                doc["a"] = _label(int(r.verdict_a), int(r.k_a), int(r.found_rank_a))
+                doc["b"] = _label(int(r.verdict_b), int(r.k_b), int(r.found_rank_b))
+                what = f"{doc['a']} in A, {doc['b']} in B"
+            else:
+                what = "digest differs"
+            doc["sentence"] = (f"step {doc['step']}, layer {doc['layer']}, rank {doc['tp_rank']}, expert {doc['expert']}: "
+                               f"{doc['tensor']} {what}")
+            rows.append(doc)
+    return rows
 
 
 def diff_text(doc: dict, max_lines: int = 20) -> str:

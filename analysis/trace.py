@@ -174,17 +174,32 @@ def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.nd
     return sizes
 
 
-def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
-    """Discover, validate and load trace rows (needed columns only) into preallocated arrays."""
-    rank_dirs = discover(paths)
-    runs = load_runs(rank_dirs)
-    fs_of = {rd.path: rd.fs for rd in rank_dirs}
-    parts: list[tuple[pafs.FileSystem, str]] = []
-    part_run: list[RunInfo] = []
+def _parts_of(runs: list[RunInfo], fs_of: dict) -> tuple[list[tuple[pafs.FileSystem, str]], list[RunInfo]]:
+    """(filesystem, path) of every part, run by run and rank by rank, and each part's run."""
+    parts, part_run = [], []
     for run in runs:
         for rk in sorted(run.ranks.values(), key=lambda r: r.rank):
             parts.extend((fs_of[rk.path], p) for p in rk.parts)
             part_run.extend(run for _ in rk.parts)
+    return parts, part_run
+
+
+def _check_versions(versions: dict[int, str]) -> None:
+    """versions: schema version -> a part that has it. One line when it is not ours."""
+    if not set(versions) - {TRACE_SCHEMA_VERSION}:
+        return
+    if len(versions) > 1:
+        desc = ", ".join(f"v{v} ({p})" for v, p in sorted(versions.items()))
+        raise MoetraceError(f"trace mixes schema versions: {desc}; analyze each version separately")
+    (v, p), = versions.items()
+    raise MoetraceError(f"trace part {p} has schema_version {v}; this moetrace reads version {TRACE_SCHEMA_VERSION}")
+
+
+def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
+    """Discover, validate and load trace rows (needed columns only) into preallocated arrays."""
+    rank_dirs = discover(paths)
+    runs = load_runs(rank_dirs)
+    parts, part_run = _parts_of(runs, {rd.path: rd.fs for rd in rank_dirs})
     vocabs = (Vocab(), Vocab(TENSOR_NAMES), Vocab())
     skipped: dict[int, str] = {}
     versions: dict[int, str] = {}
@@ -255,12 +270,7 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
                     raise MoetraceError(
                         f"trace part {parts[i][1]} has {name} {sorted(vals)} but its manifest says {want}"
                     )
-    if set(versions) - {TRACE_SCHEMA_VERSION}:
-        if len(versions) > 1:
-            desc = ", ".join(f"v{v} ({p})" for v, p in sorted(versions.items()))
-            raise MoetraceError(f"trace mixes schema versions: {desc}; analyze each version separately")
-        (v, p), = versions.items()
-        raise MoetraceError(f"trace part {p} has schema_version {v}; this moetrace reads version {TRACE_SCHEMA_VERSION}")
+    _check_versions(versions)
     if not ok.all() and counts[~ok].sum():
         keep = np.repeat(ok, counts)
         cols = {k: v[keep] for k, v in cols.items()}

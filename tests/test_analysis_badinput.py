@@ -162,3 +162,12 @@ def test_errors_are_moetrace_errors(run, index):
     with pytest.raises(MoetraceError) as ei:
         analyze([str(run)], index=index)
     assert ei.value.exit_code == 2 and "\n" not in str(ei.value)
+
+
+def test_trace_on_an_fsspec_only_filesystem_is_analyzed(model, index):
+    """The sink and the analysis open storage the same way (pyarrow, else fsspec): a trace
+    written to a URL only fsspec knows (memory://) is analyzed like a local one."""
+    pytest.importorskip("fsspec")
+    write_scenario(model, "memory://traces", "mem", [0], None)
+    rep = analyze(["memory://traces/mem"], index=index)
+    assert rep.exit_code == 0 and rep.doc["totals"]["match"] == rep.doc["totals"]["tensors"] > 0

@@ -158,7 +158,7 @@ def test_diff_runs(env):
     assert "first change: step 1, layer 0, rank 1, expert 0: w2_weight_scale_inv E+2 in A, match in B" in r.output
     doc = json.loads(cli("diff", f"{out}/unfenced", f"{out}/fenced", "--json").output)
     assert doc["schema"] == "moetrace.diff" and doc["totals"]["changed"] == 10 and doc["totals"]["same"] == 374
-    assert doc["changes"][0]["sentence"] == "rank 1, layer 0, w2_weight_scale_inv: 6 entries changed fingerprint"
+    assert doc["changes"][0]["sentence"] == "rank 1, layer 0, w2_weight_scale_inv: 6 entries changed digest"
     same = json.loads(cli("diff", f"{out}/fenced", f"{out}/fenced", "--json").output)
     assert same["totals"]["changed"] == 0 and same["first_change"] is None
 

@@ -555,6 +555,9 @@ def test_run_problems_and_summary_line():
     assert p == ["rank 0 did not finish its trace (finished: false)", "rank 1 disabled tracing (10 hook errors)",
                  "rank 1 dropped 1,234 rows (queue_full: 1,234)", "rank 1 had 10 hook errors"]
     assert summary_line("X", bad, 2, p) == "moetrace: run X INCOMPLETE: " + "; ".join(p)
+    # sink errors (a part that could not be written, a manifest write that failed) make a run
+    # incomplete for the launcher exactly as they do for the analysis: one rule, tracer.manifest
+    assert run_problems({0: _rank(0), 1: _rank(1, sink_errors=2)}, 2) == ["rank 1 had 2 sink errors"]
 
 
 def _fake_server(tmp_path):

@@ -43,3 +43,22 @@ def test_hook_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"importing the hook pulls {out}"
+
+
+def test_wheel_holds_the_package_and_no_scaffolding(tmp_path):
+    """Built from this checkout the way pip builds it: every subpackage is discovered (a new
+    folder cannot be forgotten) and tests/, bench/ and setup.py never become moetrace.*."""
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("moetrace-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    packages = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
+    folders = {"moetrace/" + p.parent.relative_to(ROOT).as_posix() for p in ROOT.glob("*/__init__.py")
+               if p.parent.name not in ("tests", "bench")}
+    assert packages == {"moetrace"} | folders
+    assert {"moetrace/schema.py", "moetrace/fingerprint.py", "moetrace/storage.py", "moetrace/cli.py"} <= set(names)
+    leaked = [n for n in names if n.startswith(("moetrace/tests", "moetrace/bench", "moetrace/support"))
+              or n == "moetrace/setup.py"]
+    assert not leaked, leaked
