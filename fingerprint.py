@@ -1,16 +1,15 @@
-"""One content fingerprint for expert tensors, bit-exact on CPU and CUDA.
+"""One content fingerprint for expert tensors, bit-exact on CPU and GPU (fp_version 2).
 
-A tensor's raw bytes (C order) are cut into fixed chunks of ``CHUNK_BYTES``.
-Each chunk, zero-padded to ``CHUNK_BYTES``, gets four 64-bit *lanes*: integer
-dot products mod 2^64 of its 64-bit words with fixed odd keys, two lanes over
-the aligned words and two over the words that start 4 bytes in (so a bit that
-sits at the top of an aligned word sits in the middle of an offset one: a
-plain mod-2^64 sum cannot see two flips of a word's top bit). Lanes are pure
-integer arithmetic with defined wrap-around, so numpy (matmul), torch on CPU
-and torch on CUDA give the same bits. The host then folds each chunk's lanes
-and length into a 16-byte BLAKE2b chunk digest, and the ordered chunk digests
-plus the byte length into the 16-byte tensor digest. docs/fingerprint.md has
-the collision argument.
+A tensor's raw bytes (C order) are cut into chunks of ``CHUNK_BYTES``. A chunk's
+16 *lanes* are exact integer dot products of its bytes (read as int8) with fixed
+int8 keys: one int8 x int8 -> int32 matrix product over all chunks, the only
+pass over the data (``torch._int_mm`` on CPU, one fused Triton kernel on the
+GPU, ``torch._int_mm`` there when Triton is absent). No lane can overflow, so
+every path gives the same bits. The host then folds each chunk's lanes and
+length into a 16-byte chunk digest (a keyed linear map mod 2^64, vectorized
+over all chunks), and a tensor's ordered chunk digests plus its byte length
+into its 16-byte digest (one BLAKE2b per tensor). docs/fingerprint.md has the
+collision argument.
 
 dtype and shape are never folded in: callers record them beside the digest.
 """
@@ -19,42 +18,44 @@ from __future__ import annotations
 
 import hashlib
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
-FP_VERSION = 1
+FP_VERSION = 2
 CHUNK_BYTES = 1 << 16
-_WORDS = CHUNK_BYTES // 8
-_OFFSET_WORDS = _WORDS - 1  # words over bytes [4, CHUNK_BYTES - 4)
-_BLOCK_CHUNKS = 16  # chunks per numpy matmul block: keeps the offset copy in cache
-_TORCH_BLOCK_CHUNKS = 512  # bounds torch temporaries to ~32 MiB per lane op
+LANES = 16
+KEY_LIMIT = 64  # keys are the nonzero integers in [-64, 64]: see _lane_keys
+_FOLD_INPUTS = 4 * LANES + 4  # a chunk digest reads its lane bytes and its length
+_BLOCK_CHUNKS = 256  # chunks per exact float64 product (the fallback): 128 MiB of temporaries
+METHODS = ("torch", "triton", "numpy")
 
 
 def _splitmix64(seed: int, count: int) -> np.ndarray:
-    """Deterministic 64-bit keys; a fixed recipe, not a library RNG stream."""
+    """Deterministic 64-bit words; a fixed recipe, not a library RNG stream."""
     golden = np.uint64(0x9E3779B97F4A7C15)
     with np.errstate(over="ignore"):
         x = np.uint64(seed) + golden * np.arange(1, count + 1, dtype=np.uint64)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
-    return x | np.uint64(1)  # odd keys are units mod 2^64: one changed word always shows
+        return x ^ (x >> np.uint64(31))
 
 
-KEYS_ALIGNED = np.stack(
-    [_splitmix64(0x6D6F6574726163E1, _WORDS), _splitmix64(0x6D6F6574726163E2, _WORDS)], axis=1
-)
-KEYS_OFFSET = np.stack(
-    [
-        _splitmix64(0x6D6F6574726163E3, _OFFSET_WORDS),
-        _splitmix64(0x6D6F6574726163E4, _OFFSET_WORDS),
-    ],
-    axis=1,
-)
+def _lane_keys() -> np.ndarray:
+    """int8 [CHUNK_BYTES, LANES]: each key uniform over the 128 nonzero integers in
+    [-64, 64]. Nonzero: a single changed byte changes every lane. At most 64 in
+    magnitude: a pair of byte products never exceeds int16, so no int8 GEMM
+    kernel (VNNI or the older saturating pair sums) can round or saturate."""
+    seven_bits = _splitmix64(0x6D6F6574726163F2, CHUNK_BYTES * LANES // 8).astype("<u8").view(np.uint8) & 0x7F
+    v = seven_bits.astype(np.int16)
+    return np.where(v < KEY_LIMIT, v - KEY_LIMIT, v - KEY_LIMIT + 1).astype(np.int8).reshape(CHUNK_BYTES, LANES)
+
+
+LANE_KEYS = _lane_keys()
+FOLD_KEYS = _splitmix64(0x6D6F6574726163F3, 2 * _FOLD_INPUTS).reshape(_FOLD_INPUTS, 2)
 
 
 @dataclass(frozen=True)
@@ -95,217 +96,202 @@ def row_bytes(t: torch.Tensor) -> torch.Tensor:
     """[R, ...] -> uint8 [R, bytes_per_row]: one row per leading index (e.g. expert)."""
     if t.dim() == 0:
         return raw_bytes(t).reshape(1, -1)
-    rows = t.shape[0]
-    return raw_bytes(t).reshape(rows, -1)
+    return raw_bytes(t).reshape(t.shape[0], -1)
 
 
-# ---------------------------------------------------------------- numpy lanes
+# ---------------------------------------------------------------- lanes
 
 
-def _np_full_lanes(chunks: np.ndarray, out: np.ndarray) -> None:
-    """chunks uint8 [M, CHUNK_BYTES] (rows contiguous) -> out uint64 [M, 4]."""
-    buf = np.empty((_BLOCK_CHUNKS, CHUNK_BYTES - 8), dtype=np.uint8)
-    for s in range(0, chunks.shape[0], _BLOCK_CHUNKS):
-        blk = chunks[s : s + _BLOCK_CHUNKS]
-        b = blk.shape[0]
-        # np.dot, not matmul: its integer loop releases the GIL at any size,
-        # so blocks small enough to stay in cache still run on all cores.
-        out[s : s + b, 0:2] = np.dot(blk.view(np.uint64), KEYS_ALIGNED)
-        np.copyto(buf[:b], blk[:, 4 : CHUNK_BYTES - 4])
-        out[s : s + b, 2:4] = np.dot(buf[:b].view(np.uint64), KEYS_OFFSET)
+_KEYS: dict[torch.device, torch.Tensor] = {}
+_EXACT_INT_MM: dict[torch.device, bool] = {}
+_LOCK = threading.Lock()
 
 
-def _tail_geometry(tail: int) -> tuple[int, int, int]:
-    """For a partial chunk of `tail` bytes: aligned words, offset words, padded width."""
-    n_aligned = -(-tail // 8)
-    n_offset = min(_OFFSET_WORDS, max(0, -(-(tail - 4) // 8)))
-    width = max(8 * n_aligned, 4 + 8 * n_offset)
-    return n_aligned, n_offset, width
-
-
-def _np_tail_lanes(tails: np.ndarray) -> np.ndarray:
-    """tails uint8 [R, tail] (the last partial chunk of each row) -> uint64 [R, 4]."""
-    r, tail = tails.shape
-    n_aligned, n_offset, width = _tail_geometry(tail)
-    padded = np.zeros((r, width + 8), dtype=np.uint8)
-    padded[:, :tail] = tails
-    out = np.zeros((r, 4), dtype=np.uint64)
-    out[:, 0:2] = np.dot(np.ascontiguousarray(padded[:, : 8 * n_aligned]).view(np.uint64), KEYS_ALIGNED[:n_aligned])
-    if n_offset:
-        off = np.ascontiguousarray(padded[:, 4 : 4 + 8 * n_offset]).view(np.uint64)
-        out[:, 2:4] = np.dot(off, KEYS_OFFSET[:n_offset])
-    return out
-
-
-def _np_row_lanes(rows: np.ndarray, pool: ThreadPoolExecutor | None) -> np.ndarray:
-    """rows uint8 [R, N] -> uint64 [R, n_chunks, 4]."""
-    r, n = rows.shape
-    n_full, tail = divmod(n, CHUNK_BYTES)
-    out = np.zeros((r, n_full + (1 if tail else 0), 4), dtype=np.uint64)
-    if n_full:
-        if rows.flags.c_contiguous and tail == 0:
-            groups = [(rows.reshape(r * n_full, CHUNK_BYTES), out.reshape(r * n_full, 4))]
-        else:
-            groups = [
-                (rows[i, : n_full * CHUNK_BYTES].reshape(n_full, CHUNK_BYTES), out[i, :n_full])
-                for i in range(r)
-            ]
-        jobs = []
-        for src, dst in groups:
-            if pool is None:
-                _np_full_lanes(src, dst)
-                continue
-            step = max(_BLOCK_CHUNKS, -(-src.shape[0] // _workers()))
-            for s in range(0, src.shape[0], step):
-                jobs.append(pool.submit(_np_full_lanes, src[s : s + step], dst[s : s + step]))
-        for j in jobs:
-            j.result()
-    if tail:
-        out[:, n_full] = _np_tail_lanes(rows[:, n_full * CHUNK_BYTES :])
-    return out
-
-
-# ---------------------------------------------------------------- torch lanes
-
-_TORCH_KEYS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _torch_keys(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    keys = _TORCH_KEYS.get(device)
+def _device_keys(device: torch.device) -> torch.Tensor:
+    keys = _KEYS.get(device)
     if keys is None:
-        ka = torch.from_numpy(KEYS_ALIGNED.view(np.int64).T.copy()).to(device)
-        kb = torch.from_numpy(KEYS_OFFSET.view(np.int64).T.copy()).to(device)
-        keys = _TORCH_KEYS[device] = (ka, kb)
+        keys = _KEYS[device] = torch.from_numpy(LANE_KEYS).to(device)
     return keys
 
 
-def _words(x: torch.Tensor) -> torch.Tensor:
-    """uint8 [M, 8k] -> int64 [M, k], copying only when the layout forbids a view."""
-    if x.stride(-1) != 1 or x.stride(0) % 8 or x.storage_offset() % 8 or x.shape[0] > 1 and x.stride(0) != x.shape[1]:
-        x = torch.empty(x.shape, dtype=torch.uint8, device=x.device).copy_(x)
-    return x.view(torch.int64)
-
-
-def _torch_dot(words: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """words int64 [M, W], keys int64 [2, >=W] -> int64 [M, 2]; wraps mod 2^64."""
-    w = words.shape[1]
-    return torch.stack([(words * keys[j, :w]).sum(dim=1) for j in range(keys.shape[0])], dim=1)
-
-
-def _torch_row_lanes(rows: torch.Tensor) -> torch.Tensor:
-    """rows uint8 [R, N] on any device -> int64 [R, n_chunks, 4] on that device."""
-    r, n = rows.shape
-    ka, kb = _torch_keys(rows.device)
-    n_full, tail = divmod(n, CHUNK_BYTES)
-    out = torch.zeros((r, n_full + (1 if tail else 0), 4), dtype=torch.int64, device=rows.device)
-    if n_full:
-        # Rows with a tail (or strided rows) are not one run of whole chunks:
-        # take them a few rows at a time, so a copy is at most one block
-        # (never a contiguous copy of the whole parameter on the GPU).
-        step = r if tail == 0 and rows.is_contiguous() else max(1, _TORCH_BLOCK_CHUNKS // n_full)
-        for i in range(0, r, step):
-            full = rows[i : i + step, : n_full * CHUNK_BYTES].reshape(-1, CHUNK_BYTES)
-            lanes = torch.empty((full.shape[0], 4), dtype=torch.int64, device=rows.device)
-            for s in range(0, full.shape[0], _TORCH_BLOCK_CHUNKS):
-                blk = full[s : s + _TORCH_BLOCK_CHUNKS]
-                lanes[s : s + blk.shape[0], 0:2] = _torch_dot(_words(blk), ka)
-                lanes[s : s + blk.shape[0], 2:4] = _torch_dot(_words(blk[:, 4 : CHUNK_BYTES - 4]), kb)
-            out[i : i + step, :n_full] = lanes.view(-1, n_full, 4)
-    if tail:
-        n_aligned, n_offset, width = _tail_geometry(tail)
-        padded = torch.zeros((r, width + 8), dtype=torch.uint8, device=rows.device)
-        padded[:, :tail] = rows[:, n_full * CHUNK_BYTES :]
-        out[:, n_full, 0:2] = _torch_dot(_words(padded[:, : 8 * n_aligned]), ka)
-        if n_offset:
-            out[:, n_full, 2:4] = _torch_dot(_words(padded[:, 4 : 4 + 8 * n_offset]), kb)
+def _exact_mm(a: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """int8 [m, k] x int8 [k, LANES] -> int32, exact: every product and partial sum
+    is an integer below 2^30, so float64 (53-bit mantissa) never rounds."""
+    out = torch.empty((a.shape[0], keys.shape[1]), dtype=torch.int32, device=a.device)
+    kf = keys.to(torch.float64)
+    for s in range(0, a.shape[0], _BLOCK_CHUNKS):
+        out[s : s + _BLOCK_CHUNKS] = (a[s : s + _BLOCK_CHUNKS].to(torch.float64) @ kf).to(torch.int32)
     return out
 
 
-# ---------------------------------------------------------------- public API
-
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _workers() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="moetrace-fp")
-    return _POOL
+def _int_mm(a: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm within its shape rules (CUDA: more than 16 rows, k and n
+    multiples of 8; zero rows and zero bytes add nothing to a lane)."""
+    if a.device.type != "cuda":
+        return torch._int_mm(a, keys)
+    m, k = a.shape
+    pad_m, pad_k = max(0, 17 - m), -k % 8
+    if pad_m or pad_k:
+        a = torch.nn.functional.pad(a, (0, pad_k, 0, pad_m))
+        keys = torch.nn.functional.pad(keys, (0, 0, 0, pad_k))
+    return torch._int_mm(a, keys)[:m]
 
 
-def row_lanes(rows: torch.Tensor, method: str | None = None, threads: bool = False) -> np.ndarray | torch.Tensor:
-    """Chunk lanes of each row of a uint8 [R, N] tensor.
+def _int_mm_is_exact(device: torch.device) -> bool:
+    """Once per device: does torch._int_mm give the exact lanes of the extremes
+    (every byte -128 or 127, full chunks)? Otherwise the float64 product is used."""
+    with _LOCK:
+        known = _EXACT_INT_MM.get(device)
+        if known is not None:
+            return known
+        probe = torch.full((17, CHUNK_BYTES), -128, dtype=torch.int8)
+        probe[1::2] = 127
+        probe[2, ::3] = 0
+        keys = _device_keys(device)
+        try:
+            got = _int_mm(probe.to(device), keys).cpu()
+            ok = bool(torch.equal(got, _exact_mm(probe, _device_keys(torch.device("cpu")))))
+        except (RuntimeError, NotImplementedError):
+            ok = False
+        _EXACT_INT_MM[device] = ok
+        return ok
 
-    method: "numpy" (CPU tensors only) or "torch" (any device); default numpy on
-    CPU, torch elsewhere. Returns uint64 numpy [R, n, 4] for numpy, int64 torch
-    on the tensor's device for torch (so a caller can defer the D2H copy).
+
+def _mm(a: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    return _int_mm(a, keys) if _int_mm_is_exact(a.device) else _exact_mm(a, keys)
+
+
+def _torch_row_lanes(rows: torch.Tensor) -> torch.Tensor:
+    """rows uint8 [R, N] on any device -> int32 [R, n_chunks, LANES] on that device."""
+    r, n = rows.shape
+    keys = _device_keys(rows.device)
+    n_full, tail = divmod(n, CHUNK_BYTES)
+    out = torch.empty((r, n_full + (1 if tail else 0), LANES), dtype=torch.int32, device=rows.device)
+    s8 = rows.view(torch.int8) if rows.stride(-1) == 1 else rows.contiguous().view(torch.int8)
+    if n_full and r:
+        if tail == 0 and s8.is_contiguous():  # one matrix of whole chunks: one product
+            out.view(-1, LANES)[:] = _mm(s8.view(-1, CHUNK_BYTES), keys)
+        else:
+            for i in range(r):
+                out[i, :n_full] = _mm(s8[i, : n_full * CHUNK_BYTES].view(n_full, CHUNK_BYTES), keys)
+    if tail and r:
+        out[:, n_full] = _mm(s8[:, n_full * CHUNK_BYTES :], keys[:tail])
+    return out
+
+
+def _numpy_row_lanes(rows: np.ndarray) -> np.ndarray:
+    """The definition written plainly (int64 products, no GEMM kernel): the
+    independent reference the fast paths are checked against."""
+    r, n = rows.shape
+    n_chunks = n_chunks_for(n)
+    padded = np.zeros((r, n_chunks * CHUNK_BYTES), dtype=np.int8)
+    padded[:, :n] = rows.view(np.int8)
+    chunks = padded.reshape(r * n_chunks, CHUNK_BYTES).astype(np.int64)
+    return (chunks @ LANE_KEYS.astype(np.int64)).astype(np.int32).reshape(r, n_chunks, LANES)
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_method(device: torch.device) -> str:
+    """Triton on CUDA when it is installed; torch everywhere else."""
+    forced = os.environ.get("MOETRACE_FP_METHOD")
+    if forced:
+        return forced
+    return "triton" if device.type == "cuda" and triton_available() else "torch"
+
+
+def row_lanes(rows: torch.Tensor, method: str | None = None) -> np.ndarray | torch.Tensor:
+    """Chunk lanes of each row of a uint8 [R, N] tensor: int32 [R, n_chunks, LANES].
+
+    method: "torch" (any device), "triton" (CUDA; CPU under TRITON_INTERPRET=1)
+    or "numpy" (the slow reference, CPU). Torch and Triton return a tensor on
+    the rows' device (a caller can defer the D2H copy), numpy an array.
     """
     if rows.dtype != torch.uint8 or rows.dim() != 2:
         raise ValueError("row_lanes expects a uint8 tensor of shape [rows, bytes]")
-    method = method or ("numpy" if rows.device.type == "cpu" else "torch")
-    if method == "numpy":
-        arr = rows.detach().cpu().numpy()
-        return _np_row_lanes(arr, _pool() if threads and _workers() > 1 else None)
+    rows = rows.detach()
+    method = method or default_method(rows.device)
     if method == "torch":
-        return _torch_row_lanes(rows.detach())
-    raise ValueError(f"unknown fingerprint method {method!r}: expected 'numpy' or 'torch'")
+        return _torch_row_lanes(rows)
+    if method == "triton":
+        from moetrace.fingerprint_triton import row_lanes as triton_row_lanes
+
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return triton_row_lanes(rows, _device_keys(rows.device), CHUNK_BYTES)
+    if method == "numpy":
+        return _numpy_row_lanes(rows.cpu().numpy())
+    raise ValueError(f"unknown fingerprint method {method!r}: expected one of {', '.join(METHODS)}")
+
+
+# ---------------------------------------------------------------- folding
+
+
+def chunk_digests(lanes: np.ndarray, nbytes: int) -> np.ndarray:
+    """int32 lanes [R, n, LANES] of rows of `nbytes` bytes -> uint8 [R, n, 16].
+
+    Per chunk: the 64 lane bytes (little-endian) and the chunk's true length
+    (4 bytes LE) as 68 integers 0..255, times two columns of fixed 64-bit keys,
+    mod 2^64. Vectorized over every chunk of every row."""
+    r, n, _ = lanes.shape
+    inputs = np.empty((r, n, _FOLD_INPUTS), dtype=np.uint8)
+    inputs[..., : 4 * LANES] = np.ascontiguousarray(lanes, dtype="<i4").view(np.uint8).reshape(r, n, 4 * LANES)
+    lengths = np.full(n, CHUNK_BYTES, dtype="<u4")
+    if n and nbytes % CHUNK_BYTES:
+        lengths[-1] = nbytes % CHUNK_BYTES
+    inputs[..., 4 * LANES :] = lengths.view(np.uint8).reshape(n, 4)
+    words = np.dot(inputs.reshape(-1, _FOLD_INPUTS).astype(np.uint64), FOLD_KEYS)  # wraps mod 2^64
+    return words.astype("<u8").view(np.uint8).reshape(r, n, 16)
 
 
 def _lanes_to_numpy(lanes: np.ndarray | torch.Tensor) -> np.ndarray:
     if isinstance(lanes, torch.Tensor):
-        return lanes.cpu().numpy().view(np.uint64)
+        return lanes.cpu().numpy()
     return lanes
 
 
 def finalize(lanes: np.ndarray | torch.Tensor, nbytes: int) -> list[Fingerprint]:
-    """Fold lanes [R, n, 4] of rows of `nbytes` bytes into one Fingerprint per row."""
-    lanes = np.ascontiguousarray(_lanes_to_numpy(lanes).astype("<u8", copy=False))
-    r, n, _ = lanes.shape
-    if n != n_chunks_for(nbytes):
-        raise ValueError(f"lanes hold {n} chunks, {nbytes} bytes need {n_chunks_for(nbytes)}")
-    lengths = [CHUNK_BYTES] * n
-    if n and nbytes % CHUNK_BYTES:
-        lengths[-1] = nbytes % CHUNK_BYTES
-    tails = [int(x).to_bytes(8, "little") for x in lengths]
-    raw = lanes.view(np.uint8).reshape(r, n, 32)
+    """Fold lanes [R, n, LANES] of rows of `nbytes` bytes into one Fingerprint per row."""
+    lanes = _lanes_to_numpy(lanes)
+    r, n, width = lanes.shape
+    if width != LANES or n != n_chunks_for(nbytes):
+        raise ValueError(f"lanes [{r}, {n}, {width}] do not fit {nbytes}-byte rows: expected [{r}, {n_chunks_for(nbytes)}, {LANES}]")
+    chunks = chunk_digests(lanes, nbytes)
     total = int(nbytes).to_bytes(8, "little")
     result = []
     for i in range(r):
-        row = raw[i]
-        chunks = b"".join(
-            hashlib.blake2b(row[j].tobytes() + tails[j], digest_size=16, person=b"moetrace.chunk1").digest()
-            for j in range(n)
-        )
-        digest = hashlib.blake2b(total + chunks, digest_size=16, person=b"moetrace.tensor1").digest()
-        result.append(Fingerprint(digest, chunks, int(nbytes)))
+        row = chunks[i].tobytes()
+        digest = hashlib.blake2b(total + row, digest_size=16, person=b"moetrace.tensor2").digest()
+        result.append(Fingerprint(digest, row, int(nbytes)))
     return result
 
 
-def fingerprint_rows(t: torch.Tensor, method: str | None = None, threads: bool = True) -> list[Fingerprint]:
+# ---------------------------------------------------------------- public API
+
+
+def fingerprint_rows(t: torch.Tensor, method: str | None = None) -> list[Fingerprint]:
     """One Fingerprint per index of dim 0 (e.g. per expert of a [E, ...] parameter)."""
     rows = row_bytes(t)
-    return finalize(row_lanes(rows, method, threads), rows.shape[1])
+    return finalize(row_lanes(rows, method), rows.shape[1])
 
 
-def fingerprint(t: torch.Tensor, method: str | None = None, threads: bool = True) -> Fingerprint:
+def fingerprint(t: torch.Tensor, method: str | None = None) -> Fingerprint:
     """The fingerprint of one tensor's raw bytes (dtype and shape are not folded in)."""
     rows = raw_bytes(t).reshape(1, -1)
-    return finalize(row_lanes(rows, method, threads), rows.shape[1])[0]
+    return finalize(row_lanes(rows, method), rows.shape[1])[0]
 
 
 def fingerprint_many(tensors: Sequence[torch.Tensor] | Iterable[torch.Tensor], method: str | None = None) -> list[Fingerprint]:
-    """Fingerprints of many tensors, spread over a thread pool (numpy releases the GIL)."""
-    tensors = list(tensors)
-    if len(tensors) <= 1 or _workers() == 1:
-        return [fingerprint(t, method, threads=True) for t in tensors]
-    return list(_pool().map(lambda t: fingerprint(t, method, threads=False), tensors))
+    return [fingerprint(t, method) for t in tensors]
 
 
 def fingerprint_bytes(data: bytes | bytearray | memoryview) -> Fingerprint:
     """Fingerprint of a host byte buffer (same digest as a uint8 tensor of those bytes)."""
     arr = np.frombuffer(data, dtype=np.uint8)
-    return fingerprint(torch.from_numpy(arr.copy()) if not arr.flags.writeable else torch.from_numpy(arr))
+    return fingerprint(torch.from_numpy(arr.copy() if not arr.flags.writeable else arr))

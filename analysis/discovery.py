@@ -19,6 +19,7 @@ import pyarrow.fs as pafs
 
 from moetrace import storage
 from moetrace.errors import MoetraceError
+from moetrace.fingerprint import FP_VERSION
 from moetrace.schema import MANIFEST_SCHEMA_VERSION, parse_ids
 from moetrace.tracer.manifest import MANIFEST_NAME, RUN_MANIFEST_NAME
 
@@ -205,6 +206,11 @@ def load_runs(rank_dirs: Sequence[RankDir]) -> list[RunInfo]:
             if ver != MANIFEST_SCHEMA_VERSION:
                 raise MoetraceError(
                     f"manifest {rd.manifest_path} has schema_version {ver!r}; this moetrace reads version {MANIFEST_SCHEMA_VERSION}"
+                )
+            if m.get("fp_version") != FP_VERSION:
+                raise MoetraceError(
+                    f"manifest {rd.manifest_path} has fingerprint version {m.get('fp_version')!r}; this moetrace "
+                    f"computes version {FP_VERSION}: capture the trace again with this moetrace"
                 )
             r = int(m.get("tp_rank", rd.rank))
             if r != rd.rank:

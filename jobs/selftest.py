@@ -83,50 +83,62 @@ def _agreement_cases(quick: bool) -> list[tuple[str, torch.Tensor]]:
     return cases
 
 
+def device_methods(dev: torch.device) -> list[str]:
+    """The fingerprint paths this device runs: its default first (Triton on CUDA
+    where installed), then the torch fallback."""
+    first = F.default_method(dev)
+    return [first] + [m for m in ("torch",) if m != first]
+
+
 def prove_fingerprint(device: str, quick: bool, on_device: Callable[[torch.Tensor], F.Fingerprint] | None = None) -> Proof:
-    """``on_device(t)``: the device path under proof (default: the torch path on `device`)."""
+    """``on_device(t)``: the device path under proof (default: every path `device` runs)."""
 
     def run():
         dev = check_device(device)
-        device_fp = on_device or (lambda t: F.fingerprint(t.to(dev), "torch"))
+        methods = ["injected"] if on_device else device_methods(dev)
+        paths = {"injected": on_device} if on_device else {
+            m: (lambda t, m=m: F.fingerprint(t.to(dev), m)) for m in methods}
         mismatches, checked = [], 0
         for label, t in _agreement_cases(quick):
-            cpu = F.fingerprint(t, "numpy", threads=False)
-            on_dev = device_fp(t)
-            checked += 1
-            if cpu != on_dev:
-                mismatches.append(label)
+            cpu = F.fingerprint(t, "numpy")
+            for method, device_fp in paths.items():
+                checked += 1
+                if cpu != device_fp(t):
+                    mismatches.append(f"{label} ({method})")
         # rows of a [E, ...] parameter, as the capture hook fingerprints them
         w = torch.randint(0, 256, (8, 96, 1000), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
         w = w.view(torch.float8_e4m3fn)
-        if F.fingerprint_rows(w, "numpy") != F.fingerprint_rows(w.to(dev), "torch"):
-            mismatches.append("fingerprint_rows float8_e4m3fn[8,96,1000]")
-        checked += 1
+        want = F.fingerprint_rows(w, "numpy")
+        for method in methods if not on_device else []:
+            checked += 1
+            if F.fingerprint_rows(w.to(dev), method) != want:
+                mismatches.append(f"fingerprint_rows float8_e4m3fn[8,96,1000] ({method})")
         sensitivity = _sensitivity(dev)
         ok = not mismatches and not sensitivity
-        where = "CUDA" if dev.type == "cuda" else "torch-CPU"
+        where = f"{'CUDA' if dev.type == 'cuda' else 'CPU'} {'+'.join(methods)}"
         detail = (
-            f"{checked} cases: {where} digests equal the numpy CPU digests; bit flips and chunk swaps change them"
+            f"fp_version {F.FP_VERSION}, {checked} cases: {where} digests equal the CPU reference bit for bit; "
+            "bit flips and chunk swaps change them"
             if ok
             else "; ".join(filter(None, [f"{where} != CPU for {', '.join(mismatches[:5])}" if mismatches else "", sensitivity]))
         )
-        return ok, detail, {"cases": checked, "mismatches": mismatches}
+        return ok, detail, {"cases": checked, "mismatches": mismatches, "methods": methods, "fp_version": F.FP_VERSION}
 
     return _timed("fingerprint", run)
 
 
 def _sensitivity(dev: torch.device) -> str:
     x = torch.randint(0, 256, (3 * F.CHUNK_BYTES + 11,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
-    base = F.fingerprint(x.to(dev), "torch")
+    base = F.fingerprint(x.to(dev))
     for pos in (0, 7, F.CHUNK_BYTES - 1, F.CHUNK_BYTES + 3, x.numel() - 1):
         for bit in (0, 7):
             y = x.clone()
             y[pos] ^= 1 << bit
-            if F.fingerprint(y.to(dev), "torch") == base:
+            if F.fingerprint(y.to(dev)) == base:
                 return f"flip of bit {bit} at byte {pos} not seen"
     c = F.CHUNK_BYTES
     swapped = torch.cat([x[c : 2 * c], x[:c], x[2 * c :]])
-    if F.fingerprint(swapped.to(dev), "torch") == base:
+    if F.fingerprint(swapped.to(dev)) == base:
         return "swapped chunks not seen"
     return ""
 
@@ -145,6 +157,7 @@ def measure_throughput(device: str, quick: bool) -> Proof:
         reps = 2 if quick else 3
         t_copy = best_of(lambda: dst.copy_(x), reps, sync)
         t_fp = best_of(lambda: F.fingerprint(x), reps, sync)
+        t_paths = {m: best_of(lambda m=m: F.fingerprint(x, m), reps, sync) for m in device_methods(dev)}
         t_sha = best_of(lambda: hashlib.sha256(x.cpu().numpy().tobytes()).digest(), reps, sync)
         data = {
             "bytes": n,
@@ -153,6 +166,7 @@ def measure_throughput(device: str, quick: bool) -> Proof:
             "sha256_host_GBps": n / t_sha / 1e9,
             "fingerprint_vs_copy": t_copy / t_fp,
             "fingerprint_vs_sha256_host": t_sha / t_fp,
+            **{f"fingerprint_{m}_vs_copy": t_copy / t for m, t in t_paths.items()},
         }
         data.update(_capture_cost(dev, quick, sync))
         detail = (
@@ -184,8 +198,8 @@ def _capture_cost(dev: torch.device, quick: bool, sync) -> dict:
             dst[name].copy_(src[name])
 
     def capture():
-        # as the capture hook runs it: CPU tensors on all cores (TraceConfig.cpu_threads)
-        lanes = [F.row_lanes(F.row_bytes(t), threads=True) for t in src.values()]
+        # as the capture hook runs it: the device's default path, folding on the host
+        lanes = [F.row_lanes(F.row_bytes(t)) for t in src.values()]
         for t, lane in zip(src.values(), lanes):
             F.finalize(lane, F.row_bytes(t).shape[1])
 

@@ -83,6 +83,14 @@ def test_garbled_manifest(run, index):
     one_line_error(cli("analyze", run, "--index", index), "manifest", "unreadable")
 
 
+def test_trace_of_another_fingerprint_version(run, index):
+    m = json.loads((run / "rank=0" / "_manifest.json").read_text())
+    m["fp_version"] = 1
+    (run / "rank=0" / "_manifest.json").write_text(json.dumps(m))
+    one_line_error(cli("analyze", run, "--index", index), "fingerprint version 1", "computes version 2",
+                   "capture the trace again")
+
+
 def test_mixed_schema_versions(run, index, model):
     t = pq.read_table(run / "rank=1" / "part-00001.parquet")
     t = t.set_column(0, "schema_version", pa.array([3] * t.num_rows, pa.int16()))

@@ -4,6 +4,7 @@ its trace rows (schema.TRACE_SCHEMA)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -30,9 +31,10 @@ class CaptureBatch:
     local_experts: list[int]
     positions: list[int]  # transport_position per row
     time_ns: int
-    lanes: np.ndarray | torch.Tensor | None = None  # [rows, chunks, 4] on the host
+    lanes: np.ndarray | torch.Tensor | None = None  # int32 [rows, chunks, LANES] on the host
     ready: object | None = None  # torch.cuda.Event to wait on before reading lanes
-    fps: list[Fingerprint] | None = None  # set when already folded (synchronous verification)
+    fps: list[Fingerprint] | None = None  # set when already folded (synchronous verification, unchanged weights)
+    on_folded: Callable[[list[Fingerprint]], None] | None = None  # told the fingerprints once folded
     online: list[str | None] | None = None
     dumps: list[tuple[int, torch.Tensor, bytes | None, bytes]] = field(default_factory=list)
     # (expert, host copy of the tensor, expected digest, captured digest) of mismatches to dump
@@ -43,7 +45,7 @@ class CaptureBatch:
 
     @property
     def host_bytes(self) -> int:
-        lanes = 0 if self.lanes is None else int(self.lanes.nbytes) if isinstance(self.lanes, np.ndarray) else self.lanes.numel() * 8
+        lanes = 0 if self.lanes is None else int(self.lanes.nbytes) if isinstance(self.lanes, np.ndarray) else self.lanes.numel() * self.lanes.element_size()
         return lanes + sum(int(t.numel() * t.element_size()) for _, t, _, _ in self.dumps) + 256 * self.n_rows
 
 
