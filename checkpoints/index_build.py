@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -51,35 +52,50 @@ class IndexStats:
     extra: dict = field(default_factory=dict)
 
 
+def _add_rows(cols: dict[str, list], name: str, stacked: torch.Tensor, prints, experts: list[int], first: int,
+              stats: IndexStats) -> None:
+    per_shape = list(stacked.shape[1:])
+    for local, f in enumerate(prints, start=first):
+        cols["expert"].append(experts[local])
+        cols["local_expert"].append(local)
+        cols["tensor"].append(name)
+        cols["copy_position"].append(copy_position(name))
+        cols["dtype"].append(dtype_name(stacked.dtype))
+        cols["shape"].append(per_shape)
+        cols["nbytes"].append(f.nbytes)
+        cols["digest"].append(f.digest)
+        cols["chunk_digests"].append(f.chunk_digests)
+        stats.bytes_fingerprinted += f.nbytes
+
+
+_BLOCK_BYTES = 64 << 20  # expert bytes read and fingerprinted at a time: reused, never faulted in again
+_BUFFERS = threading.local()  # per worker thread: the last block, refilled by the next one
+
+
 def _layer_rows(ckpt: Checkpoint, spec: MoESpec, par: Parallel, layer: int, tp_rank: int, device: str,
                 stats: IndexStats) -> dict[str, list]:
     moe_tp_rank, ep_rank = rank_coords(tp_rank, par)
     experts = list(local_experts(spec, par, ep_rank))
-    t0 = time.perf_counter()
-    shards = expected_layer(ckpt, layer, tp_rank, par)
-    t1 = time.perf_counter()
     cols: dict[str, list] = {f.name: [] for f in INDEX_SCHEMA}
-    for name, stacked in shards.items():
-        prints = fpdef.fingerprint_rows(stacked.to(device), threads=False)
-        per_shape = list(stacked.shape[1:])
-        for local, (expert, f) in enumerate(zip(experts, prints)):
-            cols["expert"].append(expert)
-            cols["local_expert"].append(local)
-            cols["tensor"].append(name)
-            cols["copy_position"].append(copy_position(name))
-            cols["dtype"].append(dtype_name(stacked.dtype))
-            cols["shape"].append(per_shape)
-            cols["nbytes"].append(f.nbytes)
-            cols["digest"].append(f.digest)
-            cols["chunk_digests"].append(f.chunk_digests)
-            stats.bytes_fingerprinted += f.nbytes
+    first, block = 0, 1  # one expert first: it tells the bytes per expert
+    while first < len(experts):
+        t0 = time.perf_counter()
+        slots = range(first, min(first + block, len(experts)))
+        shards = expected_layer(ckpt, layer, tp_rank, par, slots, getattr(_BUFFERS, "last", None))
+        t1 = time.perf_counter()
+        for name, stacked in shards.items():
+            _add_rows(cols, name, stacked, fpdef.fingerprint_rows(stacked.to(device)), experts, first, stats)
+        stats.seconds_read += t1 - t0
+        stats.seconds_fingerprint += time.perf_counter() - t1
+        per_expert = sum(v[0].numel() * v.element_size() for v in shards.values()) or 1
+        _BUFFERS.last = shards if len(slots) == block else None
+        first += len(slots)
+        block = max(1, _BLOCK_BYTES // per_expert)
     n = len(cols["expert"])
     cols["layer"] = [layer] * n
     cols["tp_size"], cols["tp_rank"] = [par.tp_size] * n, [tp_rank] * n
     cols["ep_size"], cols["ep_rank"] = [par.ep_size] * n, [ep_rank] * n
     cols["moe_tp_size"], cols["moe_tp_rank"] = [par.moe_tp_size] * n, [moe_tp_rank] * n
-    stats.seconds_read += t1 - t0
-    stats.seconds_fingerprint += time.perf_counter() - t1
     return cols
 
 

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -216,15 +217,26 @@ class Checkpoint:
         return t
 
     # -- data -------------------------------------------------------------------
-    def read(self, name: str, rows=None, cols=None) -> torch.Tensor:
+    def read(self, name: str, rows=None, cols=None, into: torch.Tensor | None = None) -> torch.Tensor:
         """Read a tensor, or part of it, as a CPU torch tensor in its stored dtype.
 
         rows: (a, b) or slice over dim 0, or a tuple of those for the leading dims
         (e.g. (experts, rows) of a fused 3-D tensor); only those bytes are read.
         cols: (a, b) or slice over the last dim, taken after reading the rows
         (rows are contiguous on disk, columns are not).
+        into: a CPU tensor of the result's shape to fill (and return) instead of a
+        new one; plain row reads of its dtype land there with no copy, others
+        are copied (and cast) into it.
         """
         t = self.check(name)
+        simple_rows = rows is None or not (isinstance(rows, tuple) and rows and not isinstance(rows[0], int))
+        if (into is not None and cols is None and simple_rows and t.dtype in _TORCH_DTYPES
+                and into.dtype == _TORCH_DTYPES[t.dtype] and into.is_contiguous()):
+            return self._pread_rows(t, None if rows is None else _as_slice(rows, t.shape[0], name, t.file), into)
+        out = self._read(t, name, rows, cols, into)
+        return out if into is None or out is into else host_copy(out, into)
+
+    def _read(self, t: TensorInfo, name: str, rows, cols, into: torch.Tensor | None) -> torch.Tensor:
         handle = self._handles.get(t.file)
         if handle is None:
             try:
@@ -249,10 +261,10 @@ class Checkpoint:
             raise MoetraceError(f"{name} in {t.file}: read failed ({err})") from None
         if cols is not None:
             c = _as_slice(cols, t.shape[-1], name, t.file)
-            out = out[..., c].contiguous()
+            out = host_copy(out[..., c], into)
         return out
 
-    def _pread_rows(self, t: TensorInfo, rows: slice | None) -> torch.Tensor:
+    def _pread_rows(self, t: TensorInfo, rows: slice | None, into: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [a, b) of a tensor with one pread of exactly their bytes.
 
         Same bytes as safe_open(...).get_slice(name)[a:b], read with pread at
@@ -265,7 +277,9 @@ class Checkpoint:
         a, b = (0, shape[0] if shape else 1) if rows is None else (rows.start, rows.stop)
         if shape:
             shape[0] = b - a
-        out = torch.empty(shape, dtype=_TORCH_DTYPES[t.dtype])
+        out = torch.empty(shape, dtype=_TORCH_DTYPES[t.dtype]) if into is None else into
+        if list(out.shape) != shape:
+            raise MoetraceError(f"{t.name} in {t.file.name}: rows [{a}, {b}) are {shape}, the destination is {list(out.shape)}")
         buf = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         offset = t.data_start + t.offsets[0] + a * row_bytes
         fd = self._fds.get(t.file)
@@ -372,3 +386,21 @@ def _check_expert_coverage(spec: MoESpec, tensors: dict[str, TensorInfo], root: 
             )
         if layer in moe and expert is not None and int(expert) >= spec.num_experts:
             raise MoetraceError(f"{name}: expert id past config.json's {spec.num_experts} routed experts")
+
+
+def host_copy(src: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy a CPU tensor (any strides) with numpy on its bytes: torch's CPU copy of
+    strided uint8/fp8 runs at 1-3 GB/s here, numpy's at 30 (docs/benchmarks.md)."""
+    if dst is None:
+        dst = torch.empty(src.shape, dtype=src.dtype)
+    if src.dtype != dst.dtype:  # a cast (bf16 scales held as fp32): small tensors, torch does it
+        dst.copy_(src)
+    elif src.numel():
+        np.copyto(_byte_view(dst), _byte_view(src))
+    return dst
+
+
+def _byte_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy uint8 view of t's elements with one extra last axis of itemsize bytes."""
+    u8 = t.view(torch.uint8) if t.element_size() == 1 else t.unsqueeze(-1).view(torch.uint8)
+    return u8.numpy()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetrace.checkpoints.reader import Checkpoint
+from moetrace.checkpoints.reader import Checkpoint, host_copy
 from moetrace.checkpoints.spec import MoESpec, expert_tensor_name, fused_tensor_name
 from moetrace.errors import MoetraceError
 from moetrace.schema import COPY_ORDERS
@@ -124,28 +124,38 @@ def _scale_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, 1).to(torch.float32)
 
 
-def _expert_parts(ckpt: Checkpoint, layer: int, expert: int, c: _Cut) -> dict[str, list[torch.Tensor]]:
+def _expert_parts(ckpt: Checkpoint, layer: int, expert: int, c: _Cut,
+                  into: dict[str, torch.Tensor] | None = None) -> dict[str, list[torch.Tensor]]:
     """One expert's tensors on the rank as the parts stacked along dim 0 (w13 =
-    first half then second half), in stored dtypes; callers cat or copy them."""
+    first half then second half), in stored dtypes; callers cat or copy them.
+    into: the expert's slots (one [rows, ...] tensor per param): parts are read
+    straight into their rows there (and returned as those views)."""
     spec = ckpt.spec
 
-    def name(proj: str, kind: str = "weight") -> str:
-        return expert_tensor_name(spec, layer, expert, proj, kind)
+    def read(param: str, half: int | None, proj: str, kind: str = "weight", **cut) -> torch.Tensor:
+        dst = None
+        if into is not None:
+            slot = into[param]
+            rows = slot.shape[0] // 2
+            dst = slot if half is None else slot[half * rows : (half + 1) * rows]
+        return ckpt.read(expert_tensor_name(spec, layer, expert, proj, kind), into=dst, **cut)
 
     out = {
-        "w13_weight": [ckpt.read(name(c.first), rows=(c.r0, c.r1)), ckpt.read(name(c.second), rows=(c.r0, c.r1))],
-        "w2_weight": [ckpt.read(name("down"), cols=(c.r0, c.r1))],
+        "w13_weight": [read("w13_weight", 0, c.first, rows=(c.r0, c.r1)), read("w13_weight", 1, c.second, rows=(c.r0, c.r1))],
+        "w2_weight": [read("w2_weight", None, "down", cols=(c.r0, c.r1))],
     }
     if spec.fmt == "fp8_block":
         # Scales are cut in whole blocks (validate_parallel made I_tp a block
         # multiple) and held by SGLang as fp32; the cast from bf16/f16 is exact.
-        out["w13_weight_scale_inv"] = [ckpt.read(name(p, "scale"), rows=(c.s0, c.s1)) for p in (c.first, c.second)]
-        out["w2_weight_scale_inv"] = [ckpt.read(name("down", "scale"), cols=(c.s0, c.s1))]
+        out["w13_weight_scale_inv"] = [read("w13_weight_scale_inv", h, p, "scale", rows=(c.s0, c.s1))
+                                       for h, p in enumerate((c.first, c.second))]
+        out["w2_weight_scale_inv"] = [read("w2_weight_scale_inv", None, "down", "scale", cols=(c.s0, c.s1))]
     elif spec.fmt == "fp8_channel":
-        out["w13_weight_scale"] = [_scale_rows(ckpt.read(name(p, "scale"), rows=(c.r0, c.r1))) for p in (c.first, c.second)]
+        name = lambda p: expert_tensor_name(spec, layer, expert, p, "scale")  # noqa: E731
+        out["w13_weight_scale"] = [_scale_rows(ckpt.read(name(p), rows=(c.r0, c.r1))) for p in (c.first, c.second)]
         # w2 is split along its input columns: every rank keeps all H output
         # channels, hence the full per-channel scale.
-        out["w2_weight_scale"] = [_scale_rows(ckpt.read(name("down", "scale")))]
+        out["w2_weight_scale"] = [_scale_rows(ckpt.read(name("down")))]
     return {k: out[k] for k in tensor_names(spec)}
 
 
@@ -182,23 +192,35 @@ def expected_expert(ckpt: Checkpoint, layer: int, expert: int, tp_rank: int, par
     return _expert_unfused(ckpt, layer, expert, c)
 
 
-def expected_layer(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel) -> dict[str, torch.Tensor]:
+def expected_layer(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel, slots: range | None = None,
+                   buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """All local experts' tensors on tp_rank, [E_local, ...] per FusedMoE param,
-    slot i holding global expert local_experts(...)[i]."""
+    slot i holding global expert local_experts(...)[i].
+
+    slots: only these local slots (rows of the result, in order), e.g. a block
+    of experts at a time. buffers: a previous result to fill again when shapes
+    and dtypes match: a caller walking a checkpoint block by block reuses the
+    same memory instead of faulting in new pages (1-2 GB/s on a VM)."""
     c, experts = _prepare(ckpt, layer, tp_rank, par)
+    if slots is not None:
+        experts = experts[slots.start : slots.stop]
     if ckpt.spec.fused_experts:
         return _experts_fused(ckpt, layer, experts, c)
     out: dict[str, torch.Tensor] = {}
     for i, expert in enumerate(experts):
-        parts = _expert_parts(ckpt, layer, expert, c)
+        slots = {k: v[i] for k, v in out.items()} if out else None
+        parts = _expert_parts(ckpt, layer, expert, c, slots)
         if not out:  # allocate once the first expert tells the shapes
-            out = {
-                k: torch.empty((len(experts), sum(p.shape[0] for p in v), *v[0].shape[1:]), dtype=_held_dtype(k, v[0].dtype))
-                for k, v in parts.items()
-            }
+            shapes = {k: ((len(experts), sum(p.shape[0] for p in v), *v[0].shape[1:]), _held_dtype(k, v[0].dtype))
+                      for k, v in parts.items()}
+            reuse = buffers is not None and set(buffers) == set(shapes) and all(
+                tuple(buffers[k].shape) == s and buffers[k].dtype == d for k, (s, d) in shapes.items())
+            out = dict(buffers) if reuse else {k: torch.empty(s, dtype=d) for k, (s, d) in shapes.items()}
         for k, v in parts.items():
-            row = 0  # copy each part straight into its slot: no concatenated temporary
+            row = 0  # each part lands in its slot: no concatenated temporary
             for p in v:
-                out[k][i, row : row + p.shape[0]].copy_(p)
+                dst = out[k][i, row : row + p.shape[0]]
+                if p.data_ptr() != dst.data_ptr():
+                    host_copy(p, dst)
                 row += p.shape[0]
     return out
