@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from moetrace.hooks import weight_events
 from moetrace.hooks.ranks import module_ranks
 from moetrace.tracer.capture import Tracer, cuda_graph_capturing
 from moetrace.schema import TENSOR_NAMES
@@ -99,8 +100,13 @@ class FusedMoECapture:
                 tr.note_once(f"layer {layer}: no GPU-resident experts ({how}): resident capture skipped")
                 return None
             local = list(range(n_local))
+            # Unchanged weights reuse their fingerprints only where every write is
+            # counted (weight_events); KT's slots change under its own copies.
+            epoch = None
+            if tr.config.resident_cache and how == "ep-rank" and weight_events.watch_params(tensors):
+                epoch = weight_events.epoch()
             tr.capture(tensors, layer=layer, source=self.source, step=step, experts=experts,
-                       local_experts=local, positions=local, ranks=ranks)
+                       local_experts=local, positions=local, ranks=ranks, weights_epoch=epoch)
         except Exception as err:
             try:
                 tr.record_error("fused_moe_hook", err)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from moetrace.hooks import weight_events
 from moetrace.hooks.fused_moe import FusedMoECapture
 from moetrace.hooks.kt import install_kt_capture
 from moetrace.hooks.ranks import detect_rank
@@ -54,6 +55,8 @@ def make_hook(config: dict | None):
     except Exception as err:
         log.error("moetrace: cannot start tracing, the server runs untraced: %s", err)
         return None
+    if cfg.resident_cache and not weight_events.install():
+        tracer.note_once("SGLang's weight writers were not found: resident weights are fingerprinted on every pass")
     try:
         install_kt_capture(tracer, cfg.kt)
     except Exception as err:

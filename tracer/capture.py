@@ -25,6 +25,7 @@ from moetrace.tracer.online import MISMATCH, OnlineIndex
 from moetrace.schema import TENSOR_NAMES, RankIdentity, dtype_name
 from moetrace.tracer.batch import CaptureBatch
 from moetrace.tracer.sink import TraceSink
+from moetrace.tracer.unchanged import ResidentCache, weights_key
 
 log = logging.getLogger("moetrace.capture")
 
@@ -86,6 +87,8 @@ class Tracer:
         self._lock = threading.RLock()
         self._event_lock = threading.RLock()  # a capture event is queued whole or not at all
         self._capture_seq = 0
+        self.resident = ResidentCache()  # unchanged resident weights: fingerprinted once per version
+        self.fingerprinted = 0  # tensors whose lanes were computed (any source)
         self._logged: set[str] = set()
         self._ranks_reported = False
         self.verifier, index_error = None, None
@@ -149,14 +152,21 @@ class Tracer:
         local_experts: Sequence[int] | None = None,
         positions: Sequence[int] | None = None,
         ranks: RankIdentity | None = None,
+        weights_epoch: int | None = None,
     ) -> int:
-        """Queue one capture event; returns the rows submitted (0 when sampled out)."""
+        """Queue one capture event; returns the rows submitted (0 when sampled out).
+
+        weights_epoch: for resident captures, the count of the server's
+        weight-update events (hooks/): a parameter unchanged since its last
+        fingerprint under the same epoch reuses it (tracer.unchanged). None:
+        always fingerprint (staged loads, servers without such events)."""
         with self._event_lock:
             if not self.enabled or not self.sampling.want(source, step, layer):
                 return 0
-            return self._capture(tensors, layer, source, step, experts, local_experts, positions, ranks)
+            return self._capture(tensors, layer, source, step, experts, local_experts, positions, ranks,
+                                 weights_epoch if source == "resident" else None)
 
-    def _capture(self, tensors, layer, source, step, experts, local_experts, positions, ranks) -> int:
+    def _capture(self, tensors, layer, source, step, experts, local_experts, positions, ranks, epoch) -> int:
         experts = [int(e) for e in experts]
         local_experts = list(range(len(experts))) if local_experts is None else [int(e) for e in local_experts]
         positions = list(local_experts) if positions is None else [int(o) for o in positions]
@@ -180,27 +190,37 @@ class Tracer:
         for name, t in tensors.items():
             if name not in TENSOR_NAMES or not self.sampling.want_tensor(name):
                 continue
+            key = weights_key(t, experts, epoch)
+            fps = self.resident.lookup(int(layer), name, key)
             data = t.detach()
-            if keep is not None and len(keep) != data.shape[0]:
-                data = data.index_select(0, torch.as_tensor(keep, device=data.device))
-            rows = row_bytes(data)
-            lanes, ready = self._lanes(rows)
+            if fps is None:  # not provably unchanged: fingerprint it
+                if keep is not None and len(keep) != data.shape[0]:
+                    data = data.index_select(0, torch.as_tensor(keep, device=data.device))
+                rows = row_bytes(data)
+                nbytes, (lanes, ready) = int(rows.shape[1]), self._lanes(rows)
+                self.fingerprinted += 1
+            else:
+                nbytes, lanes, ready = fps[0].nbytes, None, None
+                self.sink.update(resident_reused=self.resident.reused)
             batch = CaptureBatch(
                 ranks=ranks, step=step, source=source, capture_seq=seq, layer=int(layer), tensor=name,
-                dtype=dtype_name(data.dtype), shape=list(data.shape[1:]), nbytes=int(rows.shape[1]),
+                dtype=dtype_name(data.dtype), shape=list(data.shape[1:]), nbytes=nbytes,
                 experts=experts, local_experts=local_experts, positions=positions, time_ns=t_ns,
-                lanes=lanes, ready=ready,
+                lanes=lanes, ready=ready, fps=fps,
             )
-            if self._sync_verify:
-                self._verify_now(batch, data)
+            if fps is None:
+                if source == "resident":
+                    batch.on_folded = self.resident.remember(int(layer), name, key)
+                if self._sync_verify:
+                    self._verify_now(batch, data)
             if self.sink.submit(batch):
                 submitted += batch.n_rows
         return submitted
 
     def _lanes(self, rows: torch.Tensor):
         if rows.device.type == "cpu":
-            return row_lanes(rows, threads=self.config.cpu_threads), None
-        dev = row_lanes(rows, method="torch")  # one batched computation for all experts
+            return row_lanes(rows), None
+        dev = row_lanes(rows)  # one fused kernel (Triton) or one int8 GEMM for all experts
         if rows.device.type != "cuda":
             return dev.cpu(), None
         host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
@@ -216,6 +236,8 @@ class Tracer:
             b.ready.synchronize()
         fps = finalize(b.lanes, b.nbytes)
         b.fps, b.lanes, b.ready = fps, None, None
+        if b.on_folded is not None:
+            b.on_folded(fps)
         b.online = self.verifier.verdicts(b.layer, b.experts, b.tensor, [f.digest for f in fps])
         for i, v in enumerate(b.online):
             if v == MISMATCH and self.sink.reserve_dump(b.nbytes):

@@ -56,6 +56,7 @@ class TraceConfig:
     kt: object = "auto"  # install the KT SharedFullContext.load wrapper: auto | true | false
     control_file: str | None = None  # a local file whose appearance asks every rank to close
     cpu_threads: bool = True  # fingerprint CPU tensors on all cores
+    resident_cache: bool = True  # reuse the fingerprints of provably unchanged resident weights
     close_timeout_s: float = 30.0
 
     @classmethod
@@ -80,6 +81,8 @@ class TraceConfig:
     def _checked(self) -> "TraceConfig":
         if self.chunk_digests not in CHUNK_FP_MODES:
             raise MoetraceError(f"chunk_digests: {self.chunk_digests!r}; expected one of {list(CHUNK_FP_MODES)}")
+        if not isinstance(self.resident_cache, bool):
+            raise MoetraceError(f"resident_cache: {self.resident_cache!r}; expected true or false")
         if self.kt not in KT_MODES:
             raise MoetraceError(f"kt: {self.kt!r}; expected \"auto\", true or false")
         for name in ("queue_size", "rows_per_part"):

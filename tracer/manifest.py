@@ -89,6 +89,7 @@ def new_rank_manifest(run_id: str, tp_rank: int, tp_size: int, config: dict, che
         "disabled_reason": None,
         "steps_seen": 0,
         "captures": 0,
+        "resident_reused": 0,  # resident captures served from the unchanged-weights cache
         "rows_captured": 0,
         "rows_written": 0,
         "rows_dropped": 0,
