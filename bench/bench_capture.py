@@ -3,7 +3,7 @@
 One Qwen3.5-122B-A10B-sized MoE layer as one TP2 rank holds it (256 experts,
 H 3072, I_tp 512): w13 [256,1024,3072] fp8, w13 scale [256,8,24] fp32,
 w2 [256,3072,512] fp8, w2 scale [256,24,4] fp32 (1.2 GB). Measured in the same
-run, best of --repeats:
+run, rounds interleaved (each candidate once per round), medians of --repeats rounds:
 
 - copy:        dst.copy_(src) for the four tensors (what the transport costs;
                on CUDA also the pinned host -> device copy KT does);
@@ -24,7 +24,7 @@ import tempfile
 
 import torch
 
-from moetrace.jobs.timing import best_of
+from moetrace.jobs.timing import interleaved, median, median_ratio
 
 from moetrace.tracer.capture import Tracer
 from moetrace.tracer.config import TraceConfig
@@ -45,7 +45,6 @@ def layer_tensors(experts: int, hidden: int, inter_tp: int, device: str) -> dict
     }
 
 
-timed = best_of
 
 
 def main() -> None:
@@ -53,8 +52,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=3072)
     ap.add_argument("--inter-tp", type=int, default=512)
-    ap.add_argument("--quick", action="store_true", help="32 experts, 2 repeats")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="32 experts, 2 rounds")
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
@@ -70,7 +69,7 @@ def main() -> None:
         for k, v in src.items():
             dst[k].copy_(v)
 
-    times = {"copy": timed(copy, repeats, sync)}
+    fns = {"copy": copy}
     if args.device == "cuda":
         host = {k: v.cpu().pin_memory() for k, v in src.items()}
 
@@ -78,8 +77,7 @@ def main() -> None:
             for k, v in host.items():
                 dst[k].copy_(v, non_blocking=True)
 
-        times["copy_h2d_pinned"] = timed(h2d, repeats, sync)
-        del host
+        fns["copy_h2d_pinned"] = h2d
 
     with tempfile.TemporaryDirectory() as out:
         cfg = TraceConfig.from_dict({"out": out, "run_id": "bench", "rows_per_part": 1 << 20, "flush_interval_s": 3600,
@@ -95,28 +93,31 @@ def main() -> None:
             hook()
             assert tracer.flush(timeout=600)
 
-        times["hook"] = timed(hook, repeats, sync)
-        tracer.flush(timeout=600)
-        times["end_to_end"] = timed(end_to_end, repeats, sync)
+        fns["hook"], fns["end_to_end"] = hook, end_to_end
+        end_to_end()  # warm: keys on the device, the exactness probe, kernel compilation
+        times = interleaved(fns, repeats, sync)
         m = tracer.sink.manifest()
         tracer.close()
         assert m["rows_dropped"] == 0 and m["hook_errors"] == 0 and m["sink_errors"] == 0, m
 
+    secs = {k: median(v) for k, v in times.items()}
     result = {
         "device": args.device,
         "layer": {"experts": experts, "hidden": args.hidden, "inter_tp": args.inter_tp, "bytes": nbytes,
                   "tensors": experts * 4},
-        "seconds": {k: round(v, 4) for k, v in times.items()},
-        "GB_per_s": {k: round(nbytes / v / 1e9, 2) for k, v in times.items()},
-        "ratio_to_copy": {k: round(v / times["copy"], 2) for k, v in times.items() if k != "copy"},
+        "rounds": repeats,
+        "seconds": {k: round(v, 4) for k, v in secs.items()},
+        "GB_per_s": {k: round(nbytes / v / 1e9, 2) for k, v in secs.items()},
+        "ratio_to_copy": {k: round(1 / median_ratio(times, k, "copy"), 2) for k in times if k != "copy"},
         "threads": torch.get_num_threads(),
     }
     if args.json:
         print(json.dumps(result))
         return
-    print(f"layer: {experts} experts x 4 tensors, {nbytes / 1e9:.3f} GB on {args.device} (best of {repeats})")
-    for k, v in times.items():
-        ratio = "" if k == "copy" else f"  = {v / times['copy']:.2f} x copy"
+    print(f"layer: {experts} experts x 4 tensors, {nbytes / 1e9:.3f} GB on {args.device} "
+          f"(medians of {repeats} interleaved rounds)")
+    for k, v in secs.items():
+        ratio = "" if k == "copy" else f"  = {result['ratio_to_copy'][k]:.2f} x copy"
         print(f"  {k:16s} {v * 1e3:9.1f} ms  {nbytes / v / 1e9:7.2f} GB/s{ratio}")
 
 

@@ -71,6 +71,9 @@ try:
         print(f"| {k} | {v} GB/s |")
     for k, v in fp["ratios"].items():
         print(f"| {k} | {v}x |")
+    r = fp["ratios"].get("fingerprint_triton_cuda_vs_copy_d2d")
+    verdict = "no Triton on this machine" if r is None else f"{r}x: {'MET' if r >= 0.5 else 'NOT MET'}"
+    print(f"| GPU target: fused Triton fingerprint >= 0.5x a device-to-device copy (fp_version {fp.get('fp_version')}) | {verdict} |")
 except Exception as err:
     print(f"| bench_fingerprint | no JSON ({err}) |")
 for name in ("bench_capture", "bench_fence"):

@@ -19,3 +19,25 @@ def best_of(fn: Callable[[], object], repeats: int, sync: Callable[[], None] | N
             sync()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int,
+                sync: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Seconds of each fn over `repeats` rounds, every round running each fn once
+    in turn, so a ratio between two of them is taken under the same load."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(max(1, repeats)):
+        for name, fn in fns.items():
+            times[name].append(best_of(fn, 1, sync))
+    return times
+
+
+def median(values: list[float]) -> float:
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def median_ratio(times: dict[str, list[float]], name: str, baseline: str) -> float:
+    """Median over rounds of baseline time / name time (> 1: name is faster)."""
+    return median([b / t for b, t in zip(times[baseline], times[name])])
