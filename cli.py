@@ -91,6 +91,8 @@ def make_checkpoint(family, fmt, fused, layers, experts, hidden, intermediate, s
 @click.argument("checkpoint", type=click.Path(file_okay=False, path_type=str))
 @click.option("--tp", "tp_size", type=click.IntRange(min=1), required=True, help="Tensor-parallel size of the server.")
 @click.option("--ep", "ep_size", type=click.IntRange(min=1), default=1, show_default=True, help="Expert-parallel size.")
+@click.option("--moe-dp", "moe_dp_size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="The server's --moe-dp-size (moe_tp = tp / ep / moe_dp).")
 @click.option("--layers", default=None, help="MoE layers to index, e.g. 0,2,5-7 (default: all MoE layers).")
 @click.option("--up-first", is_flag=True, help="w13 holds up rows before gate rows (flashinfer-trtllm runner).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
@@ -98,8 +100,8 @@ def make_checkpoint(family, fmt, fused, layers, experts, hidden, intermediate, s
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str), help="Index Parquet file to write.")
 @click.option("--no-cache", is_flag=True, help="Rebuild even if the cache holds this index.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of text; no progress bar.")
-def index_cmd(checkpoint, tp_size, ep_size, layers, up_first, device, output, no_cache, as_json):
-    """Fingerprint the TP shard every rank must hold, per the checkpoint.
+def index_cmd(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, device, output, no_cache, as_json):
+    """Fingerprint the TP shard of every expert a rank may hold, per the checkpoint.
 
     \b
     Example:
@@ -113,10 +115,13 @@ def index_cmd(checkpoint, tp_size, ep_size, layers, up_first, device, output, no
 
     spec = open_checkpoint(checkpoint).spec
     wanted = parse_ids(layers, "--layers", bound=spec.num_layers)
-    n_units = len(wanted if wanted is not None else spec.moe_layers) * tp_size
+    if tp_size % (ep_size * moe_dp_size):
+        raise MoetraceError(f"--tp {tp_size} is not divisible by --ep {ep_size} x --moe-dp {moe_dp_size}")
+    n_units = (len(wanted if wanted is not None else spec.moe_layers) + 1) * (tp_size // ep_size // moe_dp_size)
     show_bar = not as_json and sys.stderr.isatty()
     with click.progressbar(length=n_units, label="fingerprinting", file=sys.stderr) if show_bar else _NullBar() as bar:
-        summary = make_index(checkpoint, output, tp_size, ep_size, wanted, up_first, device, not no_cache, bar.update)
+        summary = make_index(checkpoint, output, tp_size, ep_size, wanted, up_first, device, not no_cache, bar.update,
+                             moe_dp_size)
     if as_json:
         click.echo(json.dumps(summary))
     else:
@@ -220,18 +225,19 @@ def hook_spec_cmd(pretty, **kw):
 
 @main.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @_capture_options
-@click.option("--sglang-version", default=None,
-              help="SGLang version of the server (picks the CUDA-graph flags); default: the installed sglang's.")
+@click.option("--server-flags", type=click.Choice(["auto", "split", "legacy"]), default="auto", show_default=True,
+              help="How the server disables CUDA graphs: auto = the KT fork's distribution (sglang-kt) or the server's "
+                   "own --help decides; split = --disable-prefill/decode-cuda-graph; legacy = --disable-cuda-graph.")
 @click.option("--keep-cuda-graph", is_flag=True,
               help="Do not add the flags that disable CUDA graphs (hooks then miss graph-replayed steps).")
 @click.option("--close-timeout", type=click.FloatRange(min=0), default=20.0, show_default=True,
               help="Seconds to wait for the ranks to close their traces before stopping the server.")
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
-def launch_cmd(sglang_version, keep_cuda_graph, close_timeout, server_cmd, **kw):
+def launch_cmd(server_flags, keep_cuda_graph, close_timeout, server_cmd, **kw):
     """Run an SGLang server with capture on; finalize the trace when it exits.
 
-    Appends the moetrace --forward-hooks entry and the CUDA-graph flags for the
-    SGLang version, forwards SIGINT/SIGTERM (after asking every rank to close its
+    Appends the moetrace --forward-hooks entry and the flags that turn CUDA graphs
+    off (as the server spells them: --server-flags), forwards SIGINT/SIGTERM (after asking every rank to close its
     trace) and writes OUT/<run_id>/_run.json. Exits with the server's exit code.
 
     \b
@@ -246,7 +252,7 @@ def launch_cmd(sglang_version, keep_cuda_graph, close_timeout, server_cmd, **kw)
     cmd = list(server_cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    launcher = Launcher(cmd, config, sglang_version=sglang_version, disable_cuda_graph=not keep_cuda_graph,
+    launcher = Launcher(cmd, config, server_flags=server_flags, disable_cuda_graph=not keep_cuda_graph,
                         close_timeout_s=close_timeout, echo=lambda m: click.echo(m, err=True), targets=targets or DEFAULT_TARGETS)
     sys.exit(launcher.run())
 
@@ -330,7 +336,8 @@ def _launch_options(f):
                      help="Seconds to wait for /health (--launch)."),
         click.option("--hook-config", type=click.Path(exists=True, dir_okay=False), default=None,
                      help="JSON file of extra hook config keys (sampling etc., docs/capture.md) (--launch)."),
-        click.option("--sglang-version", default=None, help="SGLang version of the server (picks the CUDA-graph flags)."),
+        click.option("--server-flags", type=click.Choice(["auto", "split", "legacy"]), default="auto", show_default=True,
+                     help="How the launched server disables CUDA graphs (see `moetrace launch --help`) (--launch)."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -372,7 +379,7 @@ def audit_cmd(**kw):
                           ready_timeout_s=kw["ready_timeout"])
         hook_config = _json_object(kw["hook_config"], "--hook-config") if kw["hook_config"] else {}
         launch = LaunchOptions(command=kw["launch_cmd"], out=kw["out"], run_id=kw["run_id"], traffic=traffic,
-                               base_url=kw["base_url"], hook_config=hook_config, sglang_version=kw["sglang_version"])
+                               base_url=kw["base_url"], hook_config=hook_config, server_flags=kw["server_flags"])
     progress = (lambda m: None) if opts.as_json else (lambda m: click.echo(m, err=True))
     sys.exit(run_audit(opts, launch, click.echo, progress))
 

@@ -4,8 +4,16 @@ one syntax for id ranges. The bottom layer: it imports nothing of moetrace but e
 
 Glossary (one word per concept, in code, docs and schemas alike):
 
-- expert: a routed MoE expert, by its global (logical) id in the checkpoint.
-- slot: a position in a rank's stacked ``[E_local, ...]`` FusedMoE parameter.
+- expert: a routed MoE expert, by its global (logical) id in the checkpoint; a shared
+  expert fused into the FusedMoE gets id ``num_experts + j``, as SGLang's loader names it.
+- slot: a position in a rank's stacked ``[E_local, ...]`` FusedMoE parameter; the
+  server's own map says which expert each slot holds (EPLB, KT's tables, fused shared
+  slots). expert_copy: which physical copy of its expert a slot is (0 = the first in the
+  layer's map; redundant EPLB copies count up).
+- model: ``target``, or ``draft`` for a speculative-decoding draft model (Qwen3.5 MTP),
+  which has its own layers numbered from 0.
+- process: one server worker, named by (replica, pp_rank, tp_rank); its folder is
+  ``rank=<rank_label>``. replica: a data-parallel copy of the whole TP group.
 - tensor: a FusedMoE parameter name (``w13_weight``, ``w2_weight_scale_inv``, ...).
 - shard: the part of an expert's tensor a TP/EP rank must hold.
 - digest: the 16-byte content value of a tensor (``digest``), or of one chunk of it
@@ -72,9 +80,14 @@ def dtype_name(dtype) -> str:
 SOURCES: tuple[str, ...] = ("staged", "resident")
 
 
+MODELS: tuple[str, ...] = ("target", "draft")
+
+
 @dataclass(frozen=True)
 class RankIdentity:
-    """Which shard of the experts a process holds (SGLang's TP/EP coordinates)."""
+    """Which process a row comes from and which shard of the experts it holds: SGLang's
+    TP/EP coordinates, the pipeline stage, and the data-parallel replica (0 when the
+    server has one). The shard depends on moe_tp_rank only (moe_tp = tp / ep / moe_dp)."""
 
     tp_size: int = 1
     tp_rank: int = 0
@@ -82,23 +95,43 @@ class RankIdentity:
     ep_rank: int = 0
     moe_tp_size: int = 1
     moe_tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    replica: int = 0
+
+
+_LABEL = re.compile(r"^(?:replica(\d+)-)?(?:pp(\d+)-)?tp(\d+)$")
+
+
+def rank_label(tp_rank: int, pp_rank: int = 0, pp_size: int = 1, replica: int | None = None) -> str:
+    """A process's folder label: "3" with one stage and no replicas (the TP rank), else
+    "pp1-tp3", "replica2-tp3" or "replica2-pp1-tp3"."""
+    parts = ([f"replica{int(replica)}"] if replica is not None else []) + ([f"pp{int(pp_rank)}"] if pp_size > 1 else [])
+    return "-".join(parts + [f"tp{int(tp_rank)}"]) if parts else str(int(tp_rank))
+
+
+def parse_rank_label(label: str) -> tuple[int | None, int | None, int] | None:
+    """rank_label() back to (replica or None, pp_rank or None, tp_rank); None if not a label."""
+    if label.isdigit():
+        return None, None, int(label)
+    m = _LABEL.match(label)
+    if not m or (m.group(1) is None and m.group(2) is None):
+        return None
+    return (None if m.group(1) is None else int(m.group(1)), None if m.group(2) is None else int(m.group(2)),
+            int(m.group(3)))
 
 
 # ---------------------------------------------------------------- Parquet schemas
 
-_RANK_FIELDS = [
-    pa.field("tp_size", pa.int16(), nullable=False),
-    pa.field("tp_rank", pa.int16(), nullable=False),
-    pa.field("ep_size", pa.int16(), nullable=False),
-    pa.field("ep_rank", pa.int16(), nullable=False),
-    pa.field("moe_tp_size", pa.int16(), nullable=False),
-    pa.field("moe_tp_rank", pa.int16(), nullable=False),
-]
+def _int16(*names: str) -> list[pa.Field]:
+    return [pa.field(n, pa.int16(), nullable=False) for n in names]
+
+
+_MODEL_FIELD = pa.field("model", pa.string(), nullable=False)  # one of MODELS
 
 _TENSOR_FIELDS = [
-    pa.field("layer", pa.int32(), nullable=False),
+    pa.field("layer", pa.int32(), nullable=False),  # the model's own layer id
     pa.field("expert", pa.int32(), nullable=False),  # global (logical) expert id
-    pa.field("local_expert", pa.int32(), nullable=False),  # slot in the rank's [E_local, ...] param
     pa.field("tensor", pa.string(), nullable=False),  # FusedMoE param name, e.g. w2_weight_scale_inv
     pa.field("copy_position", pa.int8(), nullable=False),
     pa.field("dtype", pa.string(), nullable=False),  # dtype_name()
@@ -108,20 +141,27 @@ _TENSOR_FIELDS = [
     pa.field("chunk_digests", pa.binary(), nullable=True),  # 16 bytes per fingerprint.CHUNK_BYTES chunk
 ]
 
+# One row per (model, moe_tp_rank, layer, expert, tensor), every expert of every layer: the
+# shard of an expert depends on moe_tp_rank only, and with EPLB any rank may hold any expert.
 INDEX_SCHEMA = pa.schema(
-    [pa.field("schema_version", pa.int16(), nullable=False), pa.field("checkpoint_id", pa.string(), nullable=False)]
-    + _RANK_FIELDS
+    [pa.field("schema_version", pa.int16(), nullable=False), pa.field("checkpoint_id", pa.string(), nullable=False),
+     _MODEL_FIELD]
+    + _int16("tp_size", "ep_size", "moe_dp_size", "moe_tp_size", "moe_tp_rank")
     + _TENSOR_FIELDS
 )
 
 TRACE_SCHEMA = pa.schema(
-    [pa.field("schema_version", pa.int16(), nullable=False), pa.field("run_id", pa.string(), nullable=False)]
-    + _RANK_FIELDS
+    [pa.field("schema_version", pa.int16(), nullable=False), pa.field("run_id", pa.string(), nullable=False),
+     _MODEL_FIELD]
+    + _int16("tp_size", "tp_rank", "ep_size", "ep_rank", "moe_tp_size", "moe_tp_rank", "pp_size", "pp_rank", "replica")
     + [
         pa.field("step", pa.int64(), nullable=False),
         pa.field("source", pa.string(), nullable=False),  # one of SOURCES
         pa.field("capture_seq", pa.int64(), nullable=False),  # per-rank capture counter
         pa.field("transport_position", pa.int32(), nullable=False),
+        pa.field("slot", pa.int32(), nullable=False),  # position in the rank's [E_local, ...] param
+        pa.field("expert_copy", pa.int16(), nullable=False),  # physical copy of `expert` (0 = first)
+        pa.field("slot_count", pa.int32(), nullable=False),  # slots of the capture event
     ]
     + _TENSOR_FIELDS
     + [

@@ -3,6 +3,13 @@
 ``Analysis(data, idx, index_path)`` holds every intermediate result (verdicts,
 loads, expected/captured/missing per load, loads absent on some ranks); the
 report, renderers, plot and diff read from it.
+
+Coverage is per physical slot: a load is expected to hold every slot the server
+reported (``slot_count``) times every tensor kind of its format, and every one of
+them must have an index entry. Which expert a slot holds is the server's own map
+(redundant EPLB copies, KT's tables, fused shared experts), so the index keeps every
+expert of every layer per shard and a slot's row finds its entry by its logical
+expert. Loads are compared across the ranks of one pipeline stage of one replica.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import pandas as pd
 from moetrace.analysis.expected import IndexData
 from moetrace.analysis.trace import TraceData
 from moetrace.analysis.verdicts import MATCH, OUT_OF_SCOPE, KeyLookup, Verdicts, classify
+from moetrace.schema import parse_rank_label
 
 
 class Analysis:
@@ -20,10 +28,41 @@ class Analysis:
 
     def __init__(self, data: TraceData, idx: IndexData, index_path: str):
         self.data, self.idx, self.index_path = data, idx, index_path
+        c = data.cols
+        # The layer key folds the model into the layer: the draft's layer 0 is not the target's.
+        top = max(int(idx.layer.max()), int(c["layer"].max()) if data.n else 0) + 1
+        self.layer_stride = top
+        idx.lkey = idx.model * top + idx.layer
+        c["lkey"] = c["model"].astype(np.int64) * top + c["layer"]
         self.lookup = KeyLookup(idx, len(data.tensors))
         self.v: Verdicts = classify(data, idx, self.lookup)
+        self._unreproduced()
         self._loads()
         self._coverage()
+
+    # -- what the index cannot check -------------------------------------------
+
+    def _unreproduced(self) -> None:
+        """Rows the index has no way to check, by reason (the report says why, and the
+        trace cannot pass): a draft model the checkpoint side left out, a fused shared
+        expert the checkpoint's shared expert cannot stand for. Never divergences."""
+        c, v, idx = self.data.cols, self.v, self.idx
+        self.unreproduced: dict[str, int] = {}
+        draft = self.data.models.code("draft")
+        is_draft = c["model"] == draft
+        if is_draft.any() and not (idx.model == draft).any():
+            n = int(is_draft.sum())
+            v.verdict[is_draft] = OUT_OF_SCOPE
+            why = (idx.draft or {}).get("excluded") or "the index has no draft rows"
+            self.unreproduced[f"draft model not checked ({why})"] = n
+        # SGLang fuses one shared expert (DeepSeek V3 needs n_shared_experts == 1; Qwen has one): id num_experts
+        n_shared = max(1, idx.shared_experts)
+        shared = ((c["expert"] >= idx.num_experts) & (c["expert"] < idx.num_experts + n_shared) & (v.pos < 0)
+                  & (v.verdict != OUT_OF_SCOPE) & ~is_draft)
+        if idx.num_experts and shared.any():
+            v.verdict[shared] = OUT_OF_SCOPE
+            self.unreproduced["fused shared-expert slots not checked (the checkpoint's shared expert is not shaped "
+                              "like a routed expert, so the index has no entry for it)"] = int(shared.sum())
 
     # -- loads ---------------------------------------------------------------
 
@@ -32,154 +71,141 @@ class Analysis:
         n = self.data.n
         scope = v.verdict != OUT_OF_SCOPE
         self.scope = scope
+        cols = ["run", "step", "layer", "lkey", "model", "rank", "source", "capture_seq", "slot_count"]
         if n == 0 or not scope.any():
             self.load = np.full(n, -1, dtype=np.int64)
-            self.loads = pd.DataFrame(columns=["run", "step", "layer", "rank", "source", "capture_seq"])
+            self.load_first = np.zeros(0, np.int64)
+            self.loads = pd.DataFrame(columns=cols + ["rows"])
             return
-        step0 = int(c["step"].min())
-        ns = int(c["step"].max()) - step0 + 1
-        nl = int(c["layer"].max()) + 1
-        nr = int(c["rank"].max()) + 1
-        nrun = len(self.data.run_ids) or 1
-        staged = c["source"] == 0
-        ls = c["capture_seq"]
-        ls0 = int(ls.min())
-        nls = int(ls.max()) - ls0 + 2
-        if nrun * ns * nl * nr * 2 * nls < (1 << 62) and int(c["layer"].min()) >= 0 and int(c["rank"].min()) >= 0:
-            key = (((c["run"].astype(np.int64) * ns + (c["step"] - step0)) * nl + c["layer"]) * nr + c["rank"]) * 2 + c["source"]
-            key = key * nls + np.where(staged, ls - ls0 + 1, 0)
-            key = np.where(scope, key, -1)
-            codes, uniques = pd.factorize(key)
-        else:  # huge id ranges: let pandas hash the tuple
-            df = pd.DataFrame({k: c[k] for k in ("run", "step", "layer", "rank", "source")})
-            df["ls"] = np.where(staged, ls, np.iinfo(np.int64).min)
-            codes = df.groupby(list(df.columns), sort=False).ngroup().to_numpy()
-            codes = np.where(scope, codes, -1)
-            codes, uniques = pd.factorize(codes)
-        # drop the out-of-scope pseudo load
+        df = pd.DataFrame({k: c[k] for k in ("run", "step", "lkey", "rank", "source")})
+        df["seq"] = np.where(c["source"] == 0, c["capture_seq"], -1)  # every staged load is its own
+        codes = df.groupby(list(df.columns), sort=False).ngroup().to_numpy()
+        codes = np.where(scope, codes, -1)
+        uniq, codes = np.unique(codes, return_inverse=True)
         codes = codes.astype(np.int64)
-        first = np.empty(len(uniques), dtype=np.int64)
-        first[codes[::-1]] = np.arange(n - 1, -1, -1)
-        bad = np.flatnonzero(~scope[first])
-        if len(bad):
-            b = int(bad[0])
-            codes = np.where(codes == b, -1, np.where(codes > b, codes - 1, codes))
-            first = np.delete(first, b)
+        if len(uniq) and uniq[0] == -1:  # drop the out-of-scope pseudo load
+            codes -= 1
+        nl = int(codes.max()) + 1 if len(codes) else 0
+        first = np.full(nl, -1, dtype=np.int64)
+        ok = codes >= 0
+        first[codes[ok][::-1]] = np.flatnonzero(ok)[::-1]
         self.load = codes
+        self.load_first = first  # a row of each load
         self.loads = pd.DataFrame({
-            "run": c["run"][first].astype(np.int64),
-            "step": c["step"][first].astype(np.int64),
-            "layer": c["layer"][first].astype(np.int64),
-            "rank": c["rank"][first].astype(np.int64),
+            "run": c["run"][first].astype(np.int64), "step": c["step"][first].astype(np.int64),
+            "layer": c["layer"][first].astype(np.int64), "lkey": c["lkey"][first].astype(np.int64),
+            "model": c["model"][first].astype(np.int64), "rank": c["rank"][first].astype(np.int64),
             "source": c["source"][first].astype(np.int64),
             "capture_seq": np.where(c["source"][first] == 0, c["capture_seq"][first], -1).astype(np.int64),
+            "slot_count": c["slot_count"][first].astype(np.int64),
         })
-        self.loads["rows"] = np.bincount(codes[codes >= 0], minlength=len(first))
+        self.loads["rows"] = np.bincount(codes[ok], minlength=nl)
 
     # -- coverage ------------------------------------------------------------
 
-    def _expert_masks(self) -> dict[tuple[int, int], np.ndarray | None]:
-        """(run code, rank) -> bool mask over index entries in the sampling scope (None = all)."""
-        out = {}
-        for run in self.data.runs:
-            rc = self.data.run_ids.code(run.run_id)
-            for r in set(run.expected_ranks) | set(run.ranks):
-                rk = run.ranks.get(r) or next(iter(run.ranks.values()), None)
-                _, experts, tensors = rk.sampling() if rk is not None else (None, None, None)
-                mask = None
-                if experts is not None:
-                    mask = np.isin(self.idx.expert, np.array(sorted(experts), dtype=np.int64))
-                if tensors is not None:
-                    codes = np.array([self.data.tensors.code(t) for t in sorted(tensors)], dtype=np.int64)
-                    tm = np.isin(self.idx.tensor, codes)
-                    mask = tm if mask is None else mask & tm
-                out[(rc, r)] = mask
-        return out
-
-    def _expected_mask(self, run_code: int, rank: int, layer: int) -> tuple[int, np.ndarray]:
-        """(block start, bool mask of the block's entries that are expected)."""
+    def kinds_of(self, shard: int, lkey: int, tensors: set[str] | None = None) -> np.ndarray:
+        """Tensor codes the index has for a (shard, layer key) block, within `tensors`."""
         lk = self.lookup
-        b = int(lk.block_of(np.array([rank]), np.array([layer]))[0])
+        b = int(lk.block_of(np.array([shard]), np.array([lkey]))[0])
         if b < 0:
-            return -1, np.zeros(0, dtype=bool)
+            return np.zeros(0, np.int64)
         s, n = int(lk.block_start[b]), int(lk.block_len[b])
-        em = self.emasks.get((run_code, rank))
-        return s, (np.ones(n, dtype=bool) if em is None else em[s : s + n].copy())
+        kinds = np.unique(self.idx.tensor[s:s + n])
+        if tensors is not None:
+            kinds = kinds[np.isin(kinds, [self.data.tensors.code(t) for t in tensors])]
+        return kinds
 
     def _coverage(self) -> None:
-        v, lk, L = self.v, self.lookup, self.loads
-        self.emasks = self._expert_masks()
+        c, v, L = self.data.cols, self.v, self.loads
         nl = len(L)
-        L["expected"] = 0
-        L["captured"] = 0
-        L["missing"] = 0
-        L["duplicates"] = 0
-        self.missing_entries: dict[int, np.ndarray] = {}  # load -> index positions not captured
-        self.captured_entries: dict[tuple, np.ndarray] = {}  # (run, rank, layer) -> index positions seen
+        for k in ("expected", "captured", "missing", "duplicates"):
+            L[k] = 0
+        self.missing_entries: dict[int, list[tuple[int, int, int]]] = {}  # load -> (slot, expert, tensor code); -1 unknown
+        self.captured_entries: dict[tuple, np.ndarray] = {}  # (run, rank, lkey) -> index positions seen
+        self.slot_sampled = False
         if nl == 0:
             self.missing_loads = self._missing_loads()
             return
-        ok = (self.load >= 0) & (v.pos >= 0)
-        rows_ok = np.flatnonzero(ok) if not ok.all() else None
-        load = self.load if rows_ok is None else self.load[rows_ok]
-        pos = v.pos if rows_ok is None else v.pos[rows_ok]
-        blk_of_load = lk.block_of(L["rank"].to_numpy(), L["layer"].to_numpy())
-        start_of_load = lk.block_start[np.maximum(blk_of_load, 0)]
-        width = int(lk.block_len.max())
-        j = pos - start_of_load[load]
-        batch = max(1, (1 << 27) // max(width, 1))
-        captured = np.zeros(nl, dtype=np.int64)
-        distinct_all = np.zeros(nl, dtype=np.int64)
-        expected = np.zeros(nl, dtype=np.int64)
-        group_key = L["run"].to_numpy() * (1 << 40) + L["rank"].to_numpy() * (1 << 20) + L["layer"].to_numpy()
-        for a in range(0, nl, batch):
-            b = min(nl, a + batch)
-            sel = (load >= a) & (load < b) if (a > 0 or b < nl) else slice(None)
-            bm = np.zeros((b - a, width), dtype=bool)
-            bm[load[sel] - a, j[sel]] = True
-            distinct_all[a:b] = bm.sum(axis=1)
-            gk = group_key[a:b]
-            for g in np.unique(gk):
-                ls = np.flatnonzero(gk == g)
-                lrow = L.iloc[a + ls[0]]
-                gid = (int(lrow["run"]), int(lrow["rank"]), int(lrow["layer"]))
-                s, em = self._expected_mask(*gid)
-                if s >= 0:
-                    seen = s + np.flatnonzero(bm[ls].any(axis=0))
-                    prev = self.captured_entries.get(gid)
-                    self.captured_entries[gid] = seen if prev is None else np.union1d(prev, seen)
-                full = np.zeros(width, dtype=bool)
-                full[: len(em)] = em
-                got = bm[ls] & full
-                expected[a + ls] = int(em.sum())
-                captured[a + ls] = got.sum(axis=1)
-                miss_rows = np.flatnonzero(got.sum(axis=1) < em.sum())
-                for m in miss_rows.tolist():
-                    self.missing_entries[a + int(ls[m])] = s + np.flatnonzero(full & ~bm[ls[m]])
-        L["expected"] = expected
-        L["captured"] = captured
-        L["missing"] = expected - captured
-        L["duplicates"] = L["rows"].to_numpy() - np.bincount(
-            self.load[(self.load >= 0) & (v.pos < 0)], minlength=nl
-        ) - distinct_all
+        rows = np.flatnonzero((self.load >= 0) & (v.pos >= 0))
+        df = pd.DataFrame({"load": self.load[rows], "slot": c["slot"][rows], "tensor": c["tensor"][rows],
+                           "expert": c["expert"][rows], "pos": v.pos[rows]})
+        distinct = df.drop_duplicates(["load", "slot", "tensor"])
+        captured = np.bincount(distinct["load"], minlength=nl)
+        with_pos = np.bincount(df["load"], minlength=nl)
+        # tensor kinds per load: those of its index block (its format), cut by tensor sampling
+        shard = c["shard"][self.load_first].astype(np.int64)
+        lkey = L["lkey"].to_numpy()
+        blocks = self.lookup.block_of(shard, lkey)
+        per_block = np.zeros(len(self.lookup.block_len), np.int64)
+        for b in np.unique(blocks[blocks >= 0]).tolist():
+            per_block[b] = len(self.kinds_of(int(shard[blocks == b][0]), int(lkey[blocks == b][0])))
+        n_kinds = np.where(blocks >= 0, per_block[np.maximum(blocks, 0)], 0)
+        expected = L["slot_count"].to_numpy() * n_kinds
+        for run in self.data.runs:
+            rc = self.data.run_ids.code(run.run_id)
+            for label, rk in run.ranks.items():
+                _, experts, tensors = rk.sampling()
+                mine = (L["run"].to_numpy() == rc) & (L["rank"].to_numpy() == self.data.label_code(label))
+                if experts is not None:  # slots of unsampled experts were never written: not missing
+                    self.slot_sampled = True
+                    expected = np.where(mine, captured, expected)
+                elif tensors is not None:
+                    for li in np.flatnonzero(mine).tolist():
+                        expected[li] = int(L["slot_count"].iat[li]) * len(self.kinds_of(int(shard[li]), int(lkey[li]), tensors))
+        L["expected"], L["captured"] = expected, captured
+        L["missing"] = np.maximum(expected - captured, 0)
+        L["duplicates"] = with_pos - captured
+        for li in np.flatnonzero(L["missing"].to_numpy() > 0).tolist():
+            kinds = self.kinds_of(int(shard[li]), int(lkey[li]), self._sampled_tensors(li))
+            self.missing_entries[li] = self._missing_of(li, distinct[distinct["load"] == li], kinds)
+        keyed = df.assign(run=L["run"].to_numpy()[df["load"]], rank=L["rank"].to_numpy()[df["load"]],
+                          lkey=lkey[df["load"]])
+        for (run, rank, lk), grp in keyed.groupby(["run", "rank", "lkey"]):
+            self.captured_entries[(int(run), int(rank), int(lk))] = np.unique(grp["pos"].to_numpy())
         self.missing_loads = self._missing_loads()
 
+    def _sampled_tensors(self, li: int) -> set[str] | None:
+        run = self.data.runs[[self.data.run_ids.code(r.run_id) for r in self.data.runs].index(int(self.loads["run"].iat[li]))]
+        rk = run.ranks.get(self.data.labels[int(self.loads["rank"].iat[li])])
+        return rk.sampling()[2] if rk is not None else None
+
+    def _missing_of(self, li: int, seen: pd.DataFrame, kinds: np.ndarray) -> list[tuple]:
+        """(slot, expert, tensor) entries a load lacks: tensor kinds missing from slots it
+        has, then one (-1, -1, kind) per kind for each slot it has no row of at all."""
+        row = self.loads.iloc[li]
+        out = []
+        for slot, grp in seen.groupby("slot"):
+            expert = int(grp["expert"].iloc[0])
+            out += [(int(slot), expert, int(t)) for t in np.setdiff1d(kinds, grp["tensor"].to_numpy())]
+        absent = int(row["slot_count"]) - seen["slot"].nunique()
+        out += [(-1, -1, int(t)) for _ in range(max(absent, 0)) for t in kinds]
+        return out
+
     def _missing_loads(self) -> pd.DataFrame:
-        """Loads some rank of a run captured and another expected rank did not."""
+        """Loads some rank of a pipeline stage of a replica captured and another rank of
+        that stage did not (PP stages own different layers: never compared)."""
         L = self.loads
         out = []
         for run in self.data.runs:
             rc = self.data.run_ids.code(run.run_id)
             Lr = L[L["run"] == rc] if len(L) else L
-            seen = set(zip(Lr["step"], Lr["layer"], Lr["source"])) if len(Lr) else set()
-            for r in run.expected_ranks:
-                have = set(zip(*(Lr.loc[Lr["rank"] == r, k] for k in ("step", "layer", "source")))) if len(Lr) else set()
-                for step, layer, source in sorted(seen - have):
-                    s, em = self._expected_mask(rc, r, int(layer))
-                    if s < 0:
-                        continue
-                    out.append((rc, int(step), int(layer), r, int(source), int(em.sum())))
-        return pd.DataFrame(out, columns=["run", "step", "layer", "rank", "source", "expected"])
+            groups: dict[tuple, list[str]] = {}
+            for label in run.expected_ranks:
+                replica, pp, _ = parse_rank_label(label)
+                groups.setdefault((replica, pp), []).append(label)
+            for labels in groups.values():
+                codes = [self.data.label_code(lb) for lb in labels if lb in self.data.labels]
+                Lg = Lr[Lr["rank"].isin(codes)] if len(Lr) else Lr
+                if not len(Lg):
+                    continue
+                want = Lg.groupby(["step", "lkey", "source"])["expected"].max()
+                for code in codes:
+                    have = set(zip(*(Lg.loc[Lg["rank"] == code, k] for k in ("step", "lkey", "source"))))
+                    for key in sorted(set(want.index) - have):
+                        step, lkey, source = key
+                        out.append((rc, int(step), int(lkey) % self.layer_stride, int(lkey), code, int(source),
+                                    int(want[key])))
+        return pd.DataFrame(out, columns=["run", "step", "layer", "lkey", "rank", "source", "expected"])
 
     # -- helpers -------------------------------------------------------------
 
@@ -190,6 +216,6 @@ class Analysis:
     def order_rows(self, rows: np.ndarray) -> np.ndarray:
         """rows sorted in first-divergence order."""
         c = self.data.cols
-        o = np.lexsort((c["rank"][rows], c["copy_position"][rows], c["transport_position"][rows], c["source"][rows],
-                        c["layer"][rows], c["step"][rows], c["run"][rows]))
+        o = np.lexsort((c["slot"][rows], c["rank"][rows], c["copy_position"][rows], c["transport_position"][rows],
+                        c["source"][rows], c["lkey"][rows], c["step"][rows], c["run"][rows]))
         return rows[o]

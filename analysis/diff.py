@@ -16,13 +16,15 @@ import pandas as pd
 from moetrace.analysis.coverage import Analysis
 from moetrace.analysis.expected import read_expected
 from moetrace.analysis.report import check_layout, resolve_index
-from moetrace.analysis.sentences import fmt_int
+from moetrace.analysis.sentences import fmt_int, layer_text
 from moetrace.analysis.trace import TraceData, pair_to_hex, read_trace
 from moetrace.analysis.verdicts import MATCH, OUT_OF_SCOPE, STALE, VERDICTS, WRONG_RANK
 from moetrace.errors import MoetraceError
 from moetrace.schema import DIFF_SCHEMA, DIFF_SCHEMA_VERSION, SOURCES
 
-KEY = ["step", "layer", "rank", "source", "expert", "tensor"]
+# One physical copy of one expert's tensor in one pass, on one process (by rank label:
+# the codes of two traces differ).
+KEY = ["step", "model", "layer", "rank", "source", "expert", "copy", "tensor"]
 
 
 def _frame(data: TraceData, tensor_names: list[str], a: Analysis | None) -> pd.DataFrame:
@@ -32,7 +34,9 @@ def _frame(data: TraceData, tensor_names: list[str], a: Analysis | None) -> pd.D
             tensor_names.append(n)
     remap = np.array([tensor_names.index(n) for n in data.tensors.names] or [0], np.int64)
     df = pd.DataFrame({
-        "step": c["step"], "layer": c["layer"], "rank": c["rank"], "source": c["source"], "expert": c["expert"],
+        "step": c["step"], "model": np.array(data.models.names, dtype=object)[c["model"]] if data.n else [],
+        "layer": c["layer"], "rank": np.array(data.labels, dtype=object)[c["rank"]] if data.n else [],
+        "source": c["source"], "expert": c["expert"], "copy": c["copy"],
         "tensor": remap[c["tensor"]] if data.n else np.zeros(0, np.int64),
         "transport_position": c["transport_position"], "copy_position": c["copy_position"], "hi": c["hi"], "lo": c["lo"],
     })
@@ -66,7 +70,7 @@ def diff(run_a: Sequence[str] | str, run_b: Sequence[str] | str, index: str | No
     if index or checkpoint:
         index_path = resolve_index(da, index, checkpoint)
         for d in (da, db):
-            idx = read_expected(index_path, d.tensors, d.dtypes)
+            idx = read_expected(index_path, d.tensors, d.dtypes, models=d.models)
             check_layout(d, idx)
             an = Analysis(d, idx, index_path)
             if d is da:
@@ -125,15 +129,15 @@ def _change_groups(changed: pd.DataFrame, names: list[str], with_verdicts: bool)
                                                    layers=("layer", "nunique")).reset_index()
         g = g.sort_values("count", ascending=False, kind="stable")
         for r in g.itertuples(index=False):
-            doc = {"tp_rank": int(r.rank), "tensor": names[int(r.tensor)], "count": int(r.count), "steps": int(r.steps)}
+            doc = {"rank": r.rank, "tensor": names[int(r.tensor)], "count": int(r.count), "steps": int(r.steps)}
             if with_verdicts:
                 fr = _label(int(r.verdict_a), int(r.k_a), int(r.found_rank_a))
                 to = _label(int(r.verdict_b), int(r.k_b), int(r.found_rank_b))
                 doc.update({"from": fr, "to": to, "layers": int(r.layers)})
-                doc["sentence"] = f"rank {doc['tp_rank']}, {doc['tensor']}: {fmt_int(r.count)} entries {fr} → {to}"
+                doc["sentence"] = f"rank {doc['rank']}, {doc['tensor']}: {fmt_int(r.count)} entries {fr} → {to}"
             else:
                 doc["layer"] = int(r.layer)
-                doc["sentence"] = (f"rank {doc['tp_rank']}, layer {doc['layer']}, {doc['tensor']}: "
+                doc["sentence"] = (f"rank {doc['rank']}, layer {doc['layer']}, {doc['tensor']}: "
                                    f"{fmt_int(r.count)} entries changed digest")
             groups.append(doc)
     return groups
@@ -145,7 +149,8 @@ def _changed_rows(changed: pd.DataFrame, names: list[str], with_verdicts: bool, 
     if len(changed):
         changed = changed.sort_values(["step", "layer", "source", "transport_position_a", "copy_position_a", "rank"])
         for r in changed.head(max_rows).itertuples(index=False):
-            doc = {"step": int(r.step), "layer": int(r.layer), "tp_rank": int(r.rank), "source": SOURCES[int(r.source)],
+            doc = {"step": int(r.step), "model": r.model, "layer": int(r.layer), "rank": r.rank,
+                   "source": SOURCES[int(r.source)],
                    "expert": int(r.expert), "tensor": names[int(r.tensor)], "digest_a": pair_to_hex(r.hi_a, r.lo_a),
                    "digest_b": pair_to_hex(r.hi_b, r.lo_b)}
             if with_verdicts:
@@ -154,7 +159,8 @@ def _changed_rows(changed: pd.DataFrame, names: list[str], with_verdicts: bool, 
                 what = f"{doc['a']} in A, {doc['b']} in B"
             else:
                 what = "digest differs"
-            doc["sentence"] = (f"step {doc['step']}, layer {doc['layer']}, rank {doc['tp_rank']}, expert {doc['expert']}: "
+            doc["sentence"] = (f"step {doc['step']}, {layer_text(r.model, doc['layer'])}, rank {doc['rank']}, "
+                               f"expert {doc['expert']}: "
                                f"{doc['tensor']} {what}")
             rows.append(doc)
     return rows

@@ -1,8 +1,11 @@
 """Find trace runs and read their side files: rank folders, manifests, _run.json.
 
-A trace is ``OUT/<run_id>/rank=<r>/part-NNNNN.parquet`` plus
-``OUT/<run_id>/rank=<r>/_manifest.json`` (and ``OUT/<run_id>/_run.json`` when
-``moetrace launch`` ran it). Callers pass one run folder, an ``OUT`` folder holding
+A trace is ``OUT/<run_id>/rank=<label>/part-NNNNN.parquet`` plus
+``OUT/<run_id>/rank=<label>/_manifest.json`` (and ``OUT/<run_id>/_run.json`` when
+``moetrace launch`` ran it); <label> is schema.rank_label: the TP rank, or
+"pp1-tp3" / "replica2-pp1-tp3" with pipeline stages or data-parallel replicas.
+Refusal records (tracer.claim) of processes that found their folder taken are read
+too: such a run is incomplete. Callers pass one run folder, an ``OUT`` folder holding
 several runs, a rank folder, a glob, or a URL of any pyarrow / fsspec filesystem.
 """
 
@@ -20,10 +23,16 @@ import pyarrow.fs as pafs
 from moetrace import storage
 from moetrace.errors import MoetraceError
 from moetrace.fingerprint import FP_VERSION
-from moetrace.schema import MANIFEST_SCHEMA_VERSION, parse_ids
-from moetrace.tracer.manifest import MANIFEST_NAME, RUN_MANIFEST_NAME
+from moetrace.schema import MANIFEST_SCHEMA_VERSION, parse_ids, parse_rank_label
+from moetrace.tracer.claim import read_refusals
+from moetrace.tracer.manifest import MANIFEST_NAME, RUN_MANIFEST_NAME, expected_labels, label_key
 
-RANK_DIR = re.compile(r"^rank=(\d+)$")
+RANK_DIR = re.compile(r"^rank=([0-9a-z-]+)$")
+
+
+def _label_of(dirname: str) -> str | None:
+    m = RANK_DIR.match(dirname)
+    return m.group(1) if m and parse_rank_label(m.group(1)) is not None else None
 PART_FILE = re.compile(r"^part-\d+\.parquet$")
 
 
@@ -31,7 +40,7 @@ PART_FILE = re.compile(r"^part-\d+\.parquet$")
 class RankDir:
     fs: pafs.FileSystem
     path: str
-    rank: int
+    label: str  # the folder's rank label
     parts: list[str]
     manifest_path: str | None
     display: str
@@ -39,10 +48,23 @@ class RankDir:
 
 @dataclass
 class RankManifest:
-    rank: int
+    label: str  # schema.rank_label of the process
     path: str
     manifest: dict
     parts: list[str]
+
+    @property
+    def tp_rank(self) -> int:
+        return int(self.manifest.get("tp_rank", parse_rank_label(self.label)[2]))
+
+    @property
+    def pp_rank(self) -> int:
+        return int(self.manifest.get("pp_rank") or 0)
+
+    @property
+    def replica(self) -> int | None:
+        r = self.manifest.get("replica")
+        return None if r is None else int(r)
 
     @property
     def finished(self) -> bool:
@@ -82,12 +104,15 @@ class RunInfo:
     checkpoint_id: str | None
     tp_size: int
     ep_size: int
-    expected_ranks: list[int]
-    ranks: dict[int, RankManifest] = field(default_factory=dict)
+    expected_ranks: list[str]  # rank labels: every TP rank of every stage and replica
+    ranks: dict[str, RankManifest] = field(default_factory=dict)  # by rank label
     run_json: dict | None = None
+    pp_size: int = 1
+    moe_tp_size: int | None = None  # from the manifests (the modules' moe_tp_size)
+    refusals: list[dict] = field(default_factory=list)  # tracer.claim records
 
     @property
-    def missing_ranks(self) -> list[int]:
+    def missing_ranks(self) -> list[str]:
         return [r for r in self.expected_ranks if r not in self.ranks]
 
 
@@ -143,15 +168,15 @@ def discover(paths: Sequence[str]) -> list[RankDir]:
                     raise MoetraceError(f"{display} is a file; pass a trace folder OUT/<run_id>")
             files = fs.get_file_info(pafs.FileSelector(p, recursive=True))
             rank_files: dict[str, list[str]] = {}
-            if RANK_DIR.match(p.rstrip("/").rsplit("/", 1)[-1]):
+            if _label_of(p.rstrip("/").rsplit("/", 1)[-1]):
                 rank_files[p.rstrip("/")] = []
             for f in files:
                 if f.type != pafs.FileType.File:
-                    if f.type == pafs.FileType.Directory and RANK_DIR.match(f.base_name):
+                    if f.type == pafs.FileType.Directory and _label_of(f.base_name):
                         rank_files.setdefault(f.path, [])
                     continue
                 parent, name = f.path.rsplit("/", 1)
-                if RANK_DIR.match(parent.rsplit("/", 1)[-1]):
+                if _label_of(parent.rsplit("/", 1)[-1]):
                     rank_files.setdefault(parent, []).append(name)
             for rd, names in rank_files.items():
                 key = (id(fs), rd)
@@ -161,7 +186,7 @@ def discover(paths: Sequence[str]) -> list[RankDir]:
                 found[key] = RankDir(
                     fs=fs,
                     path=rd,
-                    rank=int(RANK_DIR.match(rd.rsplit("/", 1)[-1]).group(1)),
+                    label=_label_of(rd.rsplit("/", 1)[-1]),
                     parts=[f"{rd}/{n}" for n in parts],
                     manifest_path=f"{rd}/{MANIFEST_NAME}" if MANIFEST_NAME in names else None,
                     display=rd,
@@ -170,7 +195,7 @@ def discover(paths: Sequence[str]) -> list[RankDir]:
         raise MoetraceError(
             f"no trace found under {', '.join(paths)} (expected OUT/<run_id>/rank=<r>/part-NNNNN.parquet)"
         )
-    return sorted(found.values(), key=lambda d: (d.path.rsplit("/", 1)[0], d.rank))
+    return sorted(found.values(), key=lambda d: (d.path.rsplit("/", 1)[0], label_key(d.label)))
 
 
 def _read_json(fs: pafs.FileSystem, path: str, what: str) -> dict:
@@ -195,7 +220,7 @@ def load_runs(rank_dirs: Sequence[RankDir]) -> list[RunInfo]:
         run_json = None
         if fs.get_file_info(f"{run_path}/{RUN_MANIFEST_NAME}").type == pafs.FileType.File:
             run_json = _read_json(fs, f"{run_path}/{RUN_MANIFEST_NAME}", "run file")
-        ranks: dict[int, RankManifest] = {}
+        ranks: dict[str, RankManifest] = {}
         for rd in rds:
             if rd.manifest_path is None:
                 raise MoetraceError(
@@ -212,10 +237,10 @@ def load_runs(rank_dirs: Sequence[RankDir]) -> list[RunInfo]:
                     f"manifest {rd.manifest_path} has fingerprint version {m.get('fp_version')!r}; this moetrace "
                     f"computes version {FP_VERSION}: capture the trace again with this moetrace"
                 )
-            r = int(m.get("tp_rank", rd.rank))
-            if r != rd.rank:
-                raise MoetraceError(f"manifest {rd.manifest_path} says tp_rank {r} but sits in rank={rd.rank}")
-            ranks[r] = RankManifest(rank=r, path=rd.path, manifest=m, parts=rd.parts)
+            said = m.get("rank_label", str(m.get("tp_rank")))
+            if said != rd.label:
+                raise MoetraceError(f"manifest {rd.manifest_path} says rank {said} but sits in rank={rd.label}")
+            ranks[rd.label] = RankManifest(label=rd.label, path=rd.path, manifest=m, parts=rd.parts)
 
         def one(key: str, default=None):
             vals = {rk.manifest.get(key, default) for rk in ranks.values()}
@@ -236,19 +261,22 @@ def load_runs(rank_dirs: Sequence[RankDir]) -> list[RunInfo]:
         tp_size = int(tp_size)
         ep_size = int(one("ep_size", 1) or 1)
         ckpt = one("checkpoint_id")
-        expected = list(range(tp_size))
+        moe_tp = one("moe_tp_size")
+        manifests = {label: rk.manifest for label, rk in ranks.items()}
+        expected = expected_labels(manifests, tp_size)
         if run_json is not None and isinstance(run_json.get("ranks"), list):
             rl = []
             for x in run_json["ranks"]:
                 if isinstance(x, dict):
-                    x = x.get("tp_rank", x.get("rank"))
+                    x = x.get("rank_label", x.get("tp_rank", x.get("rank")))
                 if x is not None:
-                    rl.append(int(x))
+                    rl.append(str(x))
             if rl:
-                expected = sorted(set(rl))
+                expected = sorted(set(rl) | set(expected), key=label_key)
         runs.append(
             RunInfo(run_id=run_id, path=run_path, checkpoint_id=ckpt, tp_size=tp_size, ep_size=ep_size,
-                    expected_ranks=expected, ranks=ranks, run_json=run_json)
+                    expected_ranks=expected, ranks=ranks, run_json=run_json, pp_size=int(one("pp_size", 1) or 1),
+                    moe_tp_size=None if moe_tp is None else int(moe_tp), refusals=read_refusals(fs, run_path))
         )
     ids = [r.run_id for r in runs]
     dup = {i for i in ids if ids.count(i) > 1}

@@ -15,19 +15,22 @@ import pyarrow as pa
 from moetrace.analysis.trace import Vocab, digest_columns
 from moetrace.checkpoints.index import INDEX_META_KEY, read_index
 from moetrace.errors import MoetraceError
+from moetrace.schema import MODELS
 
-INDEX_COLUMNS = ["tp_rank", "layer", "expert", "tensor", "copy_position", "dtype", "nbytes", "digest", "chunk_digests"]
+INDEX_COLUMNS = ["model", "moe_tp_rank", "layer", "expert", "tensor", "copy_position", "dtype", "nbytes", "digest",
+                 "chunk_digests"]
 
 
 @dataclass
 class IndexData:
-    """Expected digests, sorted by (tp_rank, layer, expert, tensor)."""
+    """Expected digests, sorted by (shard, model, layer, expert, tensor); shard = moe_tp_rank."""
 
     path: str
     checkpoint_id: str
     tp_size: int
     ep_size: int
-    rank: np.ndarray
+    rank: np.ndarray  # the shard: moe_tp_rank
+    model: np.ndarray  # TraceData.models codes
     layer: np.ndarray
     expert: np.ndarray
     tensor: np.ndarray
@@ -38,6 +41,11 @@ class IndexData:
     lo: np.ndarray
     chunk_digests: pa.Array | None  # in file order; chunk_digests_of() maps sorted positions
     order: np.ndarray | None = None  # sorted position -> file row
+    moe_tp_size: int = 1
+    moe_dp_size: int = 1
+    num_experts: int = 0  # routed experts; ids from here on are fused shared experts
+    shared_experts: int = 0
+    draft: dict | None = None  # the index metadata's "draft": {"format", "layers"} or {"excluded": why}
 
     @property
     def n(self) -> int:
@@ -48,37 +56,43 @@ class IndexData:
         return self.chunk_digests.take(pa.array(rows))
 
 
-def read_expected(path: str, tensors: Vocab, dtypes: Vocab, layers: set[int] | None = None) -> IndexData:
+def read_expected(path: str, tensors: Vocab, dtypes: Vocab, layers: set[int] | None = None,
+                  models: Vocab | None = None) -> IndexData:
     """The index at `path` (local or URL) as sorted numpy columns, coded with the
-    trace's vocabularies; only `layers` when given."""
+    trace's vocabularies; only `layers` (of the target model) when given."""
     t = read_index(path, columns=INDEX_COLUMNS)
     if t.num_rows == 0:
         raise MoetraceError(f"index {path} has no rows")
     meta = _meta(t)
-    rank = t.column("tp_rank").to_numpy().astype(np.int64)
+    models = models if models is not None else Vocab(MODELS)
+    rank = t.column("moe_tp_rank").to_numpy().astype(np.int64)
+    model = models.codes_of(t.column("model"), np.int8).astype(np.int64)
     layer = t.column("layer").to_numpy().astype(np.int64)
     expert = t.column("expert").to_numpy().astype(np.int64)
     tensor = tensors.codes_of(t.column("tensor"), np.int16).astype(np.int64)
     keep = np.ones(len(layer), dtype=bool)
     if layers is not None:
-        keep = np.isin(layer, np.array(sorted(layers), dtype=np.int64))
-    order = np.lexsort((tensor, expert, layer, rank))
+        keep = np.isin(layer, np.array(sorted(layers), dtype=np.int64)) | (model != models.code("target"))
+    order = np.lexsort((tensor, expert, layer, model, rank))
     order = order[keep[order]]
     hi, lo = digest_columns(t.column("digest"))
     chunk = t.column("chunk_digests").combine_chunks() if "chunk_digests" in t.column_names else None
     idx = IndexData(
         path=path, checkpoint_id=str(meta["checkpoint_id"]), tp_size=int(meta["tp_size"]),
         ep_size=int(meta.get("ep_size") or 1),
-        rank=rank[order], layer=layer[order], expert=expert[order], tensor=tensor[order],
+        rank=rank[order], model=model[order], layer=layer[order], expert=expert[order], tensor=tensor[order],
         copy_position=t.column("copy_position").to_numpy().astype(np.int64)[order],
         dtype=dtypes.codes_of(t.column("dtype"), np.int16)[order],
         nbytes=t.column("nbytes").to_numpy().astype(np.int64)[order],
         hi=hi[order], lo=lo[order],
         chunk_digests=chunk, order=order,
+        moe_tp_size=int(meta.get("moe_tp_size") or 1), moe_dp_size=int(meta.get("moe_dp_size") or 1),
+        num_experts=int(meta.get("num_experts") or 0), shared_experts=int(meta.get("shared_experts") or 0),
+        draft=meta.get("draft"),
     )
-    key = np.stack([idx.rank, idx.layer, idx.expert, idx.tensor], axis=1)
+    key = np.stack([idx.rank, idx.model, idx.layer, idx.expert, idx.tensor], axis=1)
     if len(key) > 1 and (np.diff(key, axis=0) == 0).all(axis=1).any():
-        raise MoetraceError(f"index {path} has duplicate (tp_rank, layer, expert, tensor) entries")
+        raise MoetraceError(f"index {path} has duplicate (model, moe_tp_rank, layer, expert, tensor) entries")
     return idx
 
 

@@ -123,7 +123,7 @@ def _draw(fig, to_rgba, Patch, rep: Report, g, ri: int) -> None:
         xt = _ticks(ne)
         yt = _ticks(nl)
         ax.set_xticks(xt, [str(g.experts[i]) for i in xt], fontsize=8)
-        ax.set_yticks(yt, [str(g.layers[i]) for i in yt], fontsize=8)
+        ax.set_yticks(yt, [g.layer_names[i] if g.layer_names else str(g.layers[i]) for i in yt], fontsize=8)
         if ne <= 128 and nl <= 96:
             ax.set_xticks(np.arange(-0.5, ne, 1), minor=True)
             ax.set_yticks(np.arange(-0.5, nl, 1), minor=True)

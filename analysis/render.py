@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 import pandas as pd
 
 from moetrace.analysis.report import Report
-from moetrace.analysis.sentences import fmt_int, load_label, row_doc, steps_text
+from moetrace.analysis.sentences import fmt_int, layer_text, load_label, row_doc, steps_text
 from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES
 
 STATUS_WORD = {"match": "ALL MATCH", "divergent": "DIVERGENT", "incomplete": "INCOMPLETE"}
@@ -75,30 +75,31 @@ def _multi(doc: dict) -> tuple[bool, bool]:
 def grouped_summaries(doc: dict) -> list[dict]:
     """doc["summaries"] (one per load and tensor kind) with the loads that differ only in step
     (same run, rank, layer, source, tensor and counts) folded into one entry, placed where the
-    first of them was: {"run_id", "tp_rank", "layer", "source", "tensor", "steps", "loads",
+    first of them was: {"run_id", "rank", "model", "layer", "source", "tensor", "steps", "loads",
     "finding", "sentence"}. A group of one keeps the summary's own sentence."""
     multi_source, multi_run = _multi(doc)
     groups: dict[tuple, dict] = {}
     for i, s in enumerate(doc["summaries"]):
-        label = load_label(s["run_id"], s["tp_rank"], s["layer"], s["step"], s["source"], multi_source, multi_run)
+        label = load_label(s["run_id"], s["rank"], s["layer"], s["step"], s["source"], multi_source, multi_run, s["model"])
         if s["sentence"].startswith(label + ": "):
             finding = s["sentence"][len(label) + 2:]
             counts = tuple((c["verdict"], c["detail"], c["count"]) for c in s["counts"])
-            key = (s["run_id"], s["tp_rank"], s["layer"], s["source"], s["tensor"], s["total"], counts, finding)
+            key = (s["run_id"], s["rank"], s["model"], s["layer"], s["source"], s["tensor"], s["total"], counts, finding)
         else:  # a sentence of another shape: shown as is, never folded
             finding, key = s["sentence"].split(": ", 1)[-1], ("as is", i)
         g = groups.get(key)
         if g is None:
-            groups[key] = {"run_id": s["run_id"], "tp_rank": s["tp_rank"], "layer": s["layer"], "source": s["source"],
-                           "tensor": s["tensor"], "steps": [s["step"]], "loads": 1, "finding": finding,
-                           "sentence": s["sentence"]}
+            groups[key] = {"run_id": s["run_id"], "rank": s["rank"], "model": s["model"], "layer": s["layer"],
+                           "source": s["source"], "tensor": s["tensor"], "steps": [s["step"]], "loads": 1,
+                           "finding": finding, "sentence": s["sentence"]}
         else:
             g["steps"].append(s["step"])
             g["loads"] += 1
     out = list(groups.values())
     for g in out:
         if g["loads"] > 1:
-            label = load_label(g["run_id"], g["tp_rank"], g["layer"], g["steps"], g["source"], multi_source, multi_run)
+            label = load_label(g["run_id"], g["rank"], g["layer"], g["steps"], g["source"], multi_source, multi_run,
+                               g["model"])
             g["finding"] += f" ({fmt_int(g['loads'])} loads)"
             g["sentence"] = f"{label}: {g['finding']}"
     return out
@@ -109,10 +110,11 @@ def grouped_missing_loads(doc: dict) -> list[str]:
     multi_run = _multi(doc)[1]
     groups: dict[tuple, list[int]] = {}
     for m in doc["missing_loads"]:
-        groups.setdefault((m["run_id"], m["tp_rank"], m["layer"], m["source"], m["expected"]), []).append(m["step"])
+        groups.setdefault((m["run_id"], m["rank"], m["model"], m["layer"], m["source"], m["expected"]), []).append(m["step"])
     out = []
-    for (run_id, rank, layer, source, expected), steps in groups.items():
-        line = f"rank {rank}, layer {layer}, {steps_text(steps)} ({source}): {fmt_int(expected)} entries missing"
+    for (run_id, rank, model, layer, source, expected), steps in groups.items():
+        line = (f"rank {rank}, {layer_text(model, layer)}, {steps_text(steps)} ({source}): "
+                f"{fmt_int(expected)} entries missing")
         if len(steps) > 1:
             line += f" per load ({fmt_int(len(steps))} loads)"
         out.append(f"{run_id}: {line}" if multi_run else line)
@@ -175,7 +177,7 @@ def to_markdown(rep: Report) -> str:
                 "|---|---:|---:|---:|---|---|---|"]
         for s in grouped_summaries(doc):
             step = steps_text(s["steps"]).split(" ", 1)[1]
-            out.append(f"| {_md_escape(s['run_id'])} | {step} | {s['layer']} | {s['tp_rank']} | {s['source']} | "
+            out.append(f"| {_md_escape(s['run_id'])} | {step} | {s['layer'] if s['model'] == 'target' else s['model'] + ' ' + str(s['layer'])} | {s['rank']} | {s['source']} | "
                        f"{s['tensor']} | {_md_escape(s['finding'])} |")
         out.append("")
     missing = grouped_missing_loads(doc)
@@ -186,7 +188,7 @@ def to_markdown(rep: Report) -> str:
             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in doc["runs"]:
         for m in r["manifests"]:
-            out.append(f"| {_md_escape(r['run_id'])} | {m['tp_rank']} | {'yes' if m['finished'] else '**no**'} | "
+            out.append(f"| {_md_escape(r['run_id'])} | {m['rank']} | {'yes' if m['finished'] else '**no**'} | "
                        f"{fmt_int(m['rows_written'])} | {fmt_int(m['rows_read'])} | {fmt_int(m['rows_dropped'])} | "
                        f"{fmt_int(m['hook_errors'])} | {m['parts']} |")
         for rk in r["ranks_missing"]:
@@ -216,7 +218,7 @@ def to_junit(rep: Report) -> str:
     first_by_case: dict[tuple, int] = {}
     count_by_case: dict[tuple, int] = {}
     if len(drows):
-        key = pd.DataFrame({"run": c["run"][drows], "rank": c["rank"][drows], "layer": c["layer"][drows],
+        key = pd.DataFrame({"run": c["run"][drows], "rank": c["rank"][drows], "layer": c["lkey"][drows],
                             "source": c["source"][drows]})
         key["row"] = drows
         grp = key.groupby(["run", "rank", "layer", "source"], sort=False)
@@ -226,7 +228,8 @@ def to_junit(rep: Report) -> str:
             first_by_case[tuple(int(x) for x in k)] = int(r)
     summ: dict[tuple, list[str]] = {}
     for s in grouped_summaries(doc):
-        k = (d.run_ids.code(s["run_id"]), s["tp_rank"], s["layer"], SOURCES.index(s["source"]))
+        k = (d.run_ids.code(s["run_id"]), d.label_code(s["rank"]),
+             d.models.code(s["model"]) * a.layer_stride + s["layer"], SOURCES.index(s["source"]))
         summ.setdefault(k, []).append(s["sentence"])
     root = ET.Element("testsuites", name="moetrace")
     totals = {"tests": 0, "failures": 0, "errors": 0}
@@ -237,7 +240,7 @@ def to_junit(rep: Report) -> str:
         cases: dict[tuple, dict] = {}
         Lr = L[L["run"] == rc] if len(L) else L
         for r in Lr.itertuples(index=False):
-            k = (rc, int(r.rank), int(r.layer), int(r.source))
+            k = (rc, int(r.rank), int(r.lkey), int(r.source))
             cc = cases.setdefault(k, {"rows": 0, "expected": 0, "missing": 0, "loads": 0})
             cc["rows"] += int(r.rows)
             cc["expected"] += int(r.expected)
@@ -245,16 +248,17 @@ def to_junit(rep: Report) -> str:
             cc["loads"] += 1
         ml = a.missing_loads
         for r in ml[ml["run"] == rc].itertuples(index=False) if len(ml) else []:
-            k = (rc, int(r.rank), int(r.layer), int(r.source))
+            k = (rc, int(r.rank), int(r.lkey), int(r.source))
             cc = cases.setdefault(k, {"rows": 0, "expected": 0, "missing": 0, "loads": 0})
             cc["expected"] += int(r.expected)
             cc["missing"] += int(r.expected)
             cc["missing_loads"] = cc.get("missing_loads", 0) + 1
         for k in sorted(cases, key=lambda k: (k[1], k[2], k[3])):
             cc = cases[k]
-            _, rank, layer, source = k
-            tc = ET.SubElement(suite, "testcase", classname=f"moetrace.{run.run_id}.rank{rank}",
-                               name=f"layer{layer}.{SOURCES[source]}")
+            _, rank, lkey, source = k
+            model, layer = d.models.names[lkey // a.layer_stride], lkey % a.layer_stride
+            tc = ET.SubElement(suite, "testcase", classname=f"moetrace.{run.run_id}.rank{d.labels[rank]}",
+                               name=f"{'' if model == 'target' else model + '.'}layer{layer}.{SOURCES[source]}")
             counts["tests"] += 1
             if k in first_by_case:
                 row = row_doc(a, first_by_case[k])

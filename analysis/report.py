@@ -24,8 +24,9 @@ from moetrace.analysis.verdicts import MATCH, MISSING, OUT_OF_SCOPE, VERDICTS
 from moetrace.checkpoints.index_build import cached_index
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.errors import MoetraceError
-from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES, format_ids
-from moetrace.tracer.manifest import rank_problems, server_problem
+from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES, format_ids, parse_rank_label
+from moetrace.tracer.claim import refusal_problem
+from moetrace.tracer.manifest import label_key, rank_problems, server_problem
 
 MAX_ROWS_DEFAULT = 1000  # divergent rows listed in the JSON document
 MAX_MISSING_LISTED = 64  # missing (expert, tensor) entries listed per load
@@ -78,12 +79,14 @@ def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> li
         rc = d.run_ids.code(run.run_id)
         rows_run = rows_of(rc)
         mans = []
-        for r in sorted(run.ranks):
+        for r in sorted(run.ranks, key=label_key):
             rk = run.ranks[r]
             layers_s, experts_s, tensors_s = rk.sampling()
-            read = rows_of(rc, r)
+            read = rows_of(rc, d.label_code(r))
             mans.append({
-                "tp_rank": r, "finished": rk.finished, "rows_written": rk.rows_written,
+                "rank": r, "tp_rank": rk.tp_rank, "pp_rank": rk.pp_rank, "replica": rk.replica,
+                "models": rk.manifest.get("models") or {},
+                "finished": rk.finished, "rows_written": rk.rows_written,
                 "rows_dropped": rk.rows_dropped, "hook_errors": rk.errors, "parts": len(rk.parts), "rows_read": read,
                 "sampled_layers": sorted(layers_s) if layers_s is not None else None,
                 "sampled_experts": sorted(experts_s) if experts_s is not None else None,
@@ -100,23 +103,26 @@ def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> li
             warnings.append(f"run {run.run_id}: manifests record no checkpoint_id, so the index's checkpoint cannot be confirmed")
         for r in run.missing_ranks:
             incomplete.append(f"run {run.run_id}: rank {r} missing (no rank={r} folder)")
+        incomplete += [f"run {run.run_id}: {refusal_problem(x)}" for x in run.refusals]
         rj = run.run_json or {}
         server = server_problem(rj.get("server_exit_code"), bool(rj.get("stop_reason"))) if rj.get("finished") else None
         if server:
             incomplete.append(f"run {run.run_id}: {server} (_run.json)")
-        # layers the index (and sampling) expect that no rank of the run captured
-        expected_layers = set(np.unique(idx.layer).tolist())
+        # target layers the index (and sampling) expect that no rank of the run captured
+        target = d.models.code("target")
+        expected_layers = set(np.unique(idx.layer[idx.model == target]).tolist())
         rk0 = next(iter(run.ranks.values()), None)
         sampled = rk0.sampling()[0] if rk0 else None
         if sampled is not None:
             expected_layers &= sampled
-        seen = set(L.loc[L["run"] == rc, "layer"].tolist()) if len(L) else set()
+        seen = set(L.loc[(L["run"] == rc) & (L["model"] == target), "layer"].tolist()) if len(L) else set()
         never = sorted(expected_layers - seen)
         if never and rows_run:
             incomplete.append(f"run {run.run_id}: layer(s) {format_ids(never)} never captured")
         runs_doc.append({
             "run_id": run.run_id, "path": run.path, "checkpoint_id": run.checkpoint_id, "tp_size": run.tp_size,
-            "ep_size": run.ep_size, "ranks_expected": run.expected_ranks, "ranks_present": sorted(run.ranks),
+            "ep_size": run.ep_size, "pp_size": run.pp_size, "ranks_expected": run.expected_ranks,
+            "ranks_present": sorted(run.ranks, key=label_key),
             "ranks_missing": run.missing_ranks, "rows": rows_run, "manifests": mans,
         })
     return runs_doc
@@ -144,6 +150,11 @@ def _trace_problems(a: Analysis, counts: np.ndarray, incomplete: list[str], warn
     if v.no_chunks:
         warnings.append(f"{fmt_int(len(v.no_chunks))} unknown rows have no chunk digests: "
                         "torn copies cannot be told from unknown content")
+    for why, n in a.unreproduced.items():
+        incomplete.append(f"{fmt_int(n)} captured entries cannot be checked: {why}")
+    if a.slot_sampled:
+        warnings.append("expert sampling is on: slots of unsampled experts were not captured, so per-slot coverage "
+                        "counts only what was captured")
     if not a.scope.any():
         incomplete.append("nothing in the index's scope was captured")
 
@@ -168,7 +179,7 @@ def _first_divergence(a: Analysis, drows: np.ndarray, multi_run: bool) -> list[d
         out.append({
             "run_id": run.run_id, "step": int(key[0]), "layer": int(key[1]), "source": SOURCES[int(key[2])],
             "transport_position": int(key[3]), "copy_position": int(key[4]),
-            "ranks": sorted({e["tp_rank"] for e in entries}), "entries": entries,
+            "ranks": sorted({e["rank"] for e in entries}, key=label_key), "entries": entries,
             "sentence": f"{run.run_id}: {sent}" if multi_run else sent,
         })
     return out
@@ -181,19 +192,22 @@ def _loads_section(a: Analysis, drows: np.ndarray) -> tuple[list[dict], list[dic
         divergent = np.bincount(a.load[drows], minlength=len(L)) if len(drows) else np.zeros(len(L), np.int64)
         for li, row in enumerate(L.itertuples(index=False)):
             doc = {
-                "run_id": d.run_ids.names[row.run], "step": int(row.step), "layer": int(row.layer),
-                "tp_rank": int(row.rank), "source": SOURCES[row.source], "capture_seq": int(row.capture_seq),
+                "run_id": d.run_ids.names[row.run], "step": int(row.step), "model": d.models.names[row.model],
+                "layer": int(row.layer), "rank": d.labels[row.rank], "tp_rank": parse_rank_label(d.labels[row.rank])[2],
+                "source": SOURCES[row.source],
+                "capture_seq": int(row.capture_seq), "slots": int(row.slot_count),
                 "rows": int(row.rows), "expected": int(row.expected), "captured": int(row.captured),
                 "missing": int(row.missing), "divergent": int(divergent[li]), "duplicates": max(0, int(row.duplicates)),
             }
             if li in a.missing_entries:
                 m = a.missing_entries[li]
-                doc["missing_entries"] = [{"expert": int(idx.expert[p]), "tensor": d.tensors.names[int(idx.tensor[p])]}
-                                          for p in m[:MAX_MISSING_LISTED]]
+                doc["missing_entries"] = [{"slot": slot, "expert": expert, "tensor": d.tensors.names[t]}
+                                          for slot, expert, t in m[:MAX_MISSING_LISTED]]
                 doc["missing_entries_truncated"] = max(0, len(m) - MAX_MISSING_LISTED)
             loads_doc.append(doc)
     missing_loads_doc = [
-        {"run_id": d.run_ids.names[int(r.run)], "step": int(r.step), "layer": int(r.layer), "tp_rank": int(r.rank),
+        {"run_id": d.run_ids.names[int(r.run)], "step": int(r.step), "model": d.models.names[int(r.lkey) // a.layer_stride],
+         "layer": int(r.layer), "rank": d.labels[int(r.rank)], "tp_rank": parse_rank_label(d.labels[int(r.rank)])[2],
          "source": SOURCES[int(r.source)], "expected": int(r.expected)}
         for r in a.missing_loads.itertuples(index=False)
     ]
@@ -220,7 +234,7 @@ def build_report(a: Analysis, inputs: list[str], max_rows: int = MAX_ROWS_DEFAUL
     n_match = int(counts[MATCH])
     divergent = in_scope_rows - n_match
     steps = int(L["step"].nunique()) if len(L) else 0
-    ranks = sorted(int(r) for r in L["rank"].unique()) if len(L) else []
+    ranks = sorted({d.labels[int(r)] for r in L["rank"].unique()}, key=label_key) if len(L) else []
 
     runs_doc = _runs_section(a, incomplete, warnings)
     _trace_problems(a, counts, incomplete, warnings)
@@ -269,10 +283,13 @@ def check_layout(data: TraceData, idx: IndexData, checkpoint: str | None = None)
     """The index must be for the trace's TP/EP layout and checkpoint. ``checkpoint``: the
     --checkpoint folder the index was built from, named in the message instead of the cache file."""
     for run in data.runs:
-        if run.tp_size != idx.tp_size or run.ep_size != idx.ep_size:
+        moe_tp = run.moe_tp_size if run.moe_tp_size is not None else run.tp_size // max(run.ep_size, 1)
+        if run.tp_size != idx.tp_size or run.ep_size != idx.ep_size or moe_tp != idx.moe_tp_size:
             what = f"the index of --checkpoint {checkpoint} ({idx.path})" if checkpoint else f"index {idx.path}"
+            extra = (f" (moe_tp {moe_tp})", f" (moe_tp {idx.moe_tp_size})") if moe_tp != idx.moe_tp_size else ("", "")
             raise MoetraceError(
-                f"run {run.run_id} is TP{run.tp_size} EP{run.ep_size} but {what} is for TP{idx.tp_size} EP{idx.ep_size}"
+                f"run {run.run_id} is TP{run.tp_size} EP{run.ep_size}{extra[0]} but {what} is for "
+                f"TP{idx.tp_size} EP{idx.ep_size}{extra[1]}"
             )
         if run.checkpoint_id and idx.checkpoint_id and run.checkpoint_id != idx.checkpoint_id:
             if checkpoint:
@@ -310,12 +327,13 @@ def resolve_index(data: TraceData, index: str | None, checkpoint: str | None) ->
         return index
     if not checkpoint:
         raise MoetraceError("pass --index FILE or --checkpoint CKPT so the trace can be compared with the expected shards")
-    layouts = {(r.tp_size, r.ep_size) for r in data.runs}
+    layouts = {(r.tp_size, r.ep_size, r.moe_tp_size) for r in data.runs}
     if len(layouts) != 1:
-        raise MoetraceError(f"runs use several TP/EP layouts {sorted(layouts)}; analyze them separately")
-    (tp, ep), = layouts
+        raise MoetraceError(f"runs use several TP/EP layouts {sorted(layouts, key=str)}; analyze them separately")
+    (tp, ep, moe_tp), = layouts
+    moe_dp = max(1, tp // ep // moe_tp) if moe_tp else 1  # --moe-dp-size, as the modules' moe_tp_size says
     check_checkpoint(data, checkpoint)
-    return str(cached_index(checkpoint, tp, ep)[0])
+    return str(cached_index(checkpoint, tp, ep, moe_dp_size=moe_dp)[0])
 
 
 def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | None = None,
@@ -328,6 +346,6 @@ def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | No
         why = f"; {len(data.skipped_parts)} unreadable part(s) skipped, first {data.skipped_parts[0][0]}" if data.skipped_parts else ""
         raise MoetraceError(f"trace {', '.join(paths)} holds no rows: nothing was captured{why}")
     index_path = resolve_index(data, index, checkpoint)
-    idx = read_expected(index_path, data.tensors, data.dtypes)
+    idx = read_expected(index_path, data.tensors, data.dtypes, models=data.models)
     check_layout(data, idx, checkpoint=None if index else checkpoint)
     return build_report(Analysis(data, idx, index_path), list(paths), max_rows=max_rows)

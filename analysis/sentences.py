@@ -2,6 +2,10 @@
 
 Sentences name the rank, layer, step, expert and what the tensor holds instead,
 e.g. "step 3, layer 0, rank 1, expert 17: w2_weight_scale_inv holds expert 19 (E+2)".
+A slot that is not simply its expert is named too: "rank 3, layer 17, slot 41
+(logical expert 43, redundant copy 2): w13_weight holds expert 45 (E+2)"; a draft
+model's layers read "draft layer 0"; a process of a pipeline stage or replica
+"rank pp1-tp3".
 """
 
 from __future__ import annotations
@@ -19,21 +23,37 @@ def fmt_int(n: int) -> str:
     return f"{int(n):,}"
 
 
-def found_desc(verdict: int, e: int, t: str, r: int, l: int, fe: int, ft: str, fr: int, fl: int, k: int) -> str:
+def found_desc(verdict: int, e: int, t: str, r: int, l: int, fe: int, ft: str, fr: int, fl: int, k: int,
+               m: str = "target", fm: str = "target", shared: bool = False, found_shared: bool = False) -> str:
+    """What the tensor holds instead: expert fe of (shard fr, model fm, layer fl); E+k
+    only between routed experts (a shared expert's id is not a neighbour's)."""
+    who = "the shared expert" if found_shared else f"expert {fe}"
+    offset = "" if shared or found_shared or fe == e else f" (E{k:+d})"
     if verdict == STALE:
-        return f"holds expert {fe} (E{k:+d})"
+        return f"holds {who}{offset}"
     if verdict == WRONG_RANK:
         s = f"holds rank {fr}'s shard"
-        return s + (f" of expert {fe} (E{k:+d})" if fe != e else "")
+        return s + (f" of {who}{offset}" if fe != e else "")
     parts = []
-    if fl != l:
-        parts.append(f"layer {fl}")
-    parts.append(f"expert {fe}" + (f" (E{k:+d})" if fe != e else ""))
+    if fl != l or fm != m:
+        parts.append(f"{fm} layer {fl}" if fm != m else f"layer {fl}")
+    parts.append(f"{who}{offset}")
     if fr != r:
         parts.append(f"rank {fr}")
     if verdict == WRONG_TENSOR:
         return f"holds {ft} of " + ", ".join(parts)
     return "holds the tensor of " + ", ".join(parts)
+
+
+def slot_desc(expert: int, slot: int, copy: int, source: str, shared: bool = False) -> str:
+    """'expert 17', or the slot and what the server's map says it holds:
+    'slot 41 (logical expert 43, redundant copy 2)', 'slot 8 (shared expert)'."""
+    if not shared and copy == 0 and (slot == expert or source == "staged"):
+        return f"expert {expert}"
+    bits = ["shared expert" if shared else f"logical expert {expert}"]
+    if copy and not shared:  # every EP rank holds its own copy of a fused shared expert: not "redundant"
+        bits.append(f"redundant copy {copy}")
+    return f"slot {slot} (" + ", ".join(bits) + ")"
 
 
 def torn_desc(ranges: list[dict]) -> str:
@@ -47,7 +67,7 @@ def torn_desc(ranges: list[dict]) -> str:
             what = f"expert {g['expert']} (E{g['k']:+d})"
             extra = []
             if g.get("_layer_differs"):
-                extra.append(f"layer {g['layer']}")
+                extra.append(layer_text(g.get("model", "target"), g["layer"]))
             if g.get("_rank_differs"):
                 extra.append(f"rank {g['tp_rank']}")
             if g.get("_tensor_differs"):
@@ -67,13 +87,19 @@ def row_doc(a, i: int) -> dict:
     doc = {
         "run_id": d.run_ids.names[int(c["run"][i])],
         "step": int(c["step"][i]),
+        "model": d.models.names[int(c["model"][i])],
         "layer": int(c["layer"][i]),
-        "tp_rank": int(c["rank"][i]),
+        "rank": d.labels[int(c["rank"][i])],
+        "tp_rank": int(c["tp"][i]),
+        "moe_tp_rank": int(c["shard"][i]),
         "source": SOURCES[int(c["source"][i])],
         "capture_seq": int(c["capture_seq"][i]),
         "transport_position": int(c["transport_position"][i]),
         "copy_position": int(c["copy_position"][i]),
         "expert": int(c["expert"][i]),
+        "slot": int(c["slot"][i]),
+        "expert_copy": int(c["copy"][i]),
+        "shared_expert": bool(idx.num_experts and int(c["expert"][i]) >= idx.num_experts),
         "tensor": d.tensors.names[int(c["tensor"][i])],
         "verdict": VERDICTS[code],
         "k": None,
@@ -86,8 +112,10 @@ def row_doc(a, i: int) -> dict:
     f = int(v.found[i])
     if f >= 0:
         doc["k"] = int(v.k[i])
-        doc["found"] = {"tp_rank": int(idx.rank[f]), "layer": int(idx.layer[f]), "expert": int(idx.expert[f]),
-                        "tensor": d.tensors.names[int(idx.tensor[f])]}
+        doc["found"] = {"moe_tp_rank": int(idx.rank[f]), "model": d.models.names[int(idx.model[f])],
+                        "layer": int(idx.layer[f]), "expert": int(idx.expert[f]),
+                        "tensor": d.tensors.names[int(idx.tensor[f])],
+                        "shared_expert": bool(idx.num_experts and int(idx.expert[f]) >= idx.num_experts)}
     if code == TORN:
         doc["chunks"] = [dict(g) for g in v.torn.get(i, [])]
     doc["sentence"] = sentence(doc, no_chunks=i in v.no_chunks)
@@ -102,8 +130,10 @@ def what(doc: dict, no_chunks: bool = False) -> str:
         return f"{t} matches"
     if code in (STALE, WRONG_RANK, WRONG_LAYER, WRONG_TENSOR):
         f = doc["found"]
-        return f"{t} " + found_desc(code, doc["expert"], t, doc["tp_rank"], doc["layer"], f["expert"],
-                                    f["tensor"], f["tp_rank"], f["layer"], doc["k"])
+        return f"{t} " + found_desc(code, doc["expert"], t, doc["moe_tp_rank"], doc["layer"], f["expert"],
+                                    f["tensor"], f["moe_tp_rank"], f["layer"], doc["k"], doc.get("model", "target"),
+                                    f.get("model", "target"), doc.get("shared_expert", False),
+                                    f.get("shared_expert", False))
     if code == ZEROS:
         return f"{t} is all zeros"
     if code == CONSTANT:
@@ -113,8 +143,8 @@ def what(doc: dict, no_chunks: bool = False) -> str:
         for g in doc["chunks"]:
             g = dict(g)
             if g["source"] == "index":
-                g["_layer_differs"] = g["layer"] != doc["layer"]
-                g["_rank_differs"] = g["tp_rank"] != doc["tp_rank"]
+                g["_layer_differs"] = g["layer"] != doc["layer"] or g.get("model", "target") != doc.get("model", "target")
+                g["_rank_differs"] = g["tp_rank"] != doc["moe_tp_rank"]
                 g["_tensor_differs"] = g["tensor"] != t
             rngs.append(g)
         return f"{t} " + torn_desc(rngs)
@@ -127,15 +157,30 @@ def what(doc: dict, no_chunks: bool = False) -> str:
     )
 
 
+def layer_text(model: str, layer: int) -> str:
+    return f"layer {layer}" if model == "target" else f"{model} layer {layer}"
+
+
 def sentence(doc: dict, with_prefix: bool = True, no_chunks: bool = False) -> str:
-    pre = f"step {doc['step']}, layer {doc['layer']}, " if with_prefix else ""
-    return f"{pre}rank {doc['tp_rank']}, expert {doc['expert']}: {what(doc, no_chunks)}"
+    pre = f"step {doc['step']}, {layer_text(doc.get('model', 'target'), doc['layer'])}, " if with_prefix else ""
+    who = slot_desc(doc["expert"], doc.get("slot", doc["expert"]), doc.get("expert_copy", 0), doc.get("source", ""),
+                    doc.get("shared_expert", False))
+    return f"{pre}rank {doc.get('rank', doc.get('tp_rank'))}, {who}: {what(doc, no_chunks)}"
 
 
-def summary_fragment(verdict: int, detail: int, count: int, total: int, tensor: str, tensor_names: list[str]) -> str:
+def summary_fragment(verdict: int, detail: int, count: int, total: int, tensor: str, tensor_names: list[str],
+                     layer_name=None, shared_from: int | None = None) -> str:
+    """One "6/8 w2_weight_scale_inv are E+2" piece. STALE details are E+k, or -(1 + the
+    expert found) when a fused shared expert is involved (E+k means nothing there);
+    WRONG_LAYER details go through `layer_name` (a draft's layers are not the target's)."""
     frac = f"{count}/{total}" + (f" {tensor}" if tensor else "")
+    if verdict == STALE and detail < 0:
+        found = -detail - 1
+        return f"{frac} hold " + ("the shared expert" if shared_from is not None and found >= shared_from else f"expert {found}")
     if verdict == STALE:
         return f"{frac} are E{detail:+d}"
+    if verdict == WRONG_LAYER and layer_name is not None:
+        return f"{frac} hold {layer_name(detail)}'s tensors"
     if verdict == WRONG_RANK:
         return f"{frac} hold rank {detail}'s shard"
     if verdict == WRONG_LAYER:
@@ -155,10 +200,11 @@ def steps_text(steps) -> str:
     return f"step {xs[0]}" if len(xs) == 1 else f"steps {format_ids(xs)}"
 
 
-def load_label(run_id: str, rank: int, layer: int, step, source: str, multi_source: bool, multi_run: bool) -> str:
+def load_label(run_id: str, rank, layer: int, step, source: str, multi_source: bool, multi_run: bool,
+               model: str = "target") -> str:
     """'rank R, layer L, step S' (+ ' (source)' when the trace has several sources, 'run: ' in
     front when it has several runs); ``step`` may be a list of steps: 'steps 0-9,12'."""
-    s = f"rank {rank}, layer {layer}, {steps_text(step)}"
+    s = f"rank {rank}, {layer_text(model, layer)}, {steps_text(step)}"
     if multi_source:
         s += f" ({source})"
     if multi_run:

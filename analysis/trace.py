@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -20,13 +20,15 @@ import pyarrow.parquet as pq
 
 from moetrace.analysis.discovery import RunInfo, discover, load_runs
 from moetrace.errors import MoetraceError
-from moetrace.schema import SOURCES, TENSOR_NAMES, TRACE_SCHEMA_VERSION
+from moetrace.schema import MODELS, SOURCES, TENSOR_NAMES, TRACE_SCHEMA_VERSION
+from moetrace.tracer.manifest import label_key
 
 TRACE_COLUMNS = [
-    "schema_version", "run_id", "tp_size", "tp_rank", "ep_size", "step", "source", "capture_seq",
-    "transport_position", "layer", "expert", "tensor", "copy_position", "dtype", "nbytes", "digest",
+    "schema_version", "run_id", "model", "tp_size", "tp_rank", "ep_size", "moe_tp_rank", "step", "source",
+    "capture_seq", "transport_position", "slot", "expert_copy", "slot_count", "layer", "expert", "tensor",
+    "copy_position", "dtype", "nbytes", "digest",
 ]
-_DICT_COLUMNS = ["run_id", "source", "tensor", "dtype"]
+_DICT_COLUMNS = ["run_id", "model", "source", "tensor", "dtype"]
 
 
 class Vocab:
@@ -102,19 +104,28 @@ class TraceData:
     dtypes: Vocab
     parts: list[tuple[pafs.FileSystem, str]]  # part id -> (fs, path)
     skipped_parts: list[tuple[str, str]]  # (path, reason)
+    labels: list[str] = field(default_factory=list)  # cols["rank"] code -> rank label of the process
+    models: Vocab = field(default_factory=lambda: Vocab(MODELS))  # cols["model"] codes
+
+    def label_code(self, label: str) -> int:
+        return self.labels.index(label)
 
     @property
     def n(self) -> int:
         return len(self.cols["layer"])
 
 
-# output columns of read_trace and their dtypes
+# output columns of read_trace and their dtypes. "rank" is the process (a code into
+# TraceData.labels, from the part's folder); "shard" its moe_tp_rank, which with "model",
+# "layer", "expert" and "tensor" keys the index.
 COL_DTYPES = {
-    "run": np.int16, "rank": np.int16, "step": np.int64, "source": np.int8, "capture_seq": np.int64,
-    "transport_position": np.int32, "layer": np.int32, "expert": np.int32, "tensor": np.int16, "copy_position": np.int8,
+    "run": np.int16, "rank": np.int16, "tp": np.int16, "shard": np.int16, "model": np.int8, "step": np.int64,
+    "source": np.int8, "capture_seq": np.int64, "transport_position": np.int32, "slot": np.int32, "copy": np.int16,
+    "slot_count": np.int32, "layer": np.int32, "expert": np.int32, "tensor": np.int16, "copy_position": np.int8,
     "dtype": np.int16, "nbytes": np.int64, "hi": np.int64, "lo": np.int64, "part": np.int32, "row": np.int32,
 }
-_NUMERIC = {"rank": "tp_rank", "step": "step", "capture_seq": "capture_seq", "transport_position": "transport_position",
+_NUMERIC = {"tp": "tp_rank", "shard": "moe_tp_rank", "step": "step", "capture_seq": "capture_seq",
+            "transport_position": "transport_position", "slot": "slot", "copy": "expert_copy", "slot_count": "slot_count",
             "layer": "layer", "expert": "expert", "copy_position": "copy_position", "nbytes": "nbytes"}
 
 
@@ -145,9 +156,9 @@ def _check_columns(pf: pq.ParquetFile, path: str) -> None:
 
 
 def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.ndarray], start: int,
-               vocabs: tuple[Vocab, Vocab, Vocab]) -> tuple[set[int], set[int]]:
+               vocabs: tuple[Vocab, Vocab, Vocab, Vocab], rank_code: int) -> tuple[set[int], set[int]]:
     """Read one part into out[...][start:start+n]; returns its (tp_size, ep_size) values."""
-    run_v, tensor_v, dtype_v = vocabs
+    run_v, tensor_v, dtype_v, model_v = vocabs
     t = pf.read(columns=TRACE_COLUMNS, use_threads=False)
     n = t.num_rows
     if n != pf.metadata.num_rows:
@@ -164,6 +175,10 @@ def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.nd
         raise MoetraceError(f"trace part {path} has source value(s) {src.names[len(SOURCES):]}; expected 'resident' or 'staged'")
     out["hi"][sl], out["lo"][sl] = digest_columns(t.column("digest"))
     out["run"][sl] = run_v.codes_of(t.column("run_id"), np.int16)
+    out["model"][sl] = model_v.codes_of(t.column("model"), np.int8)
+    if len(model_v) > len(MODELS):
+        raise MoetraceError(f"trace part {path} has model value(s) {model_v.names[len(MODELS):]}; expected {list(MODELS)}")
+    out["rank"][sl] = rank_code
     out["tensor"][sl] = tensor_v.codes_of(t.column("tensor"), np.int16)
     out["dtype"][sl] = dtype_v.codes_of(t.column("dtype"), np.int16)
     for dst, col in _NUMERIC.items():
@@ -174,14 +189,19 @@ def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.nd
     return sizes
 
 
-def _parts_of(runs: list[RunInfo], fs_of: dict) -> tuple[list[tuple[pafs.FileSystem, str]], list[RunInfo]]:
-    """(filesystem, path) of every part, run by run and rank by rank, and each part's run."""
-    parts, part_run = [], []
+def _parts_of(runs: list[RunInfo], fs_of: dict) -> tuple[list[tuple[pafs.FileSystem, str]], list[RunInfo],
+                                                        list[int], list[str]]:
+    """(filesystem, path) of every part, run by run and rank by rank, each part's run and
+    process code, and the rank labels the codes index."""
+    parts, part_run, part_rank = [], [], []
+    labels = sorted({lb for run in runs for lb in set(run.ranks) | set(run.expected_ranks)}, key=label_key)
     for run in runs:
-        for rk in sorted(run.ranks.values(), key=lambda r: r.rank):
+        for label in sorted(run.ranks, key=label_key):
+            rk = run.ranks[label]
             parts.extend((fs_of[rk.path], p) for p in rk.parts)
             part_run.extend(run for _ in rk.parts)
-    return parts, part_run
+            part_rank.extend(labels.index(label) for _ in rk.parts)
+    return parts, part_run, part_rank, labels
 
 
 def _check_versions(versions: dict[int, str]) -> None:
@@ -199,8 +219,8 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
     """Discover, validate and load trace rows (needed columns only) into preallocated arrays."""
     rank_dirs = discover(paths)
     runs = load_runs(rank_dirs)
-    parts, part_run = _parts_of(runs, {rd.path: rd.fs for rd in rank_dirs})
-    vocabs = (Vocab(), Vocab(TENSOR_NAMES), Vocab())
+    parts, part_run, part_rank, labels = _parts_of(runs, {rd.path: rd.fs for rd in rank_dirs})
+    vocabs = (Vocab(), Vocab(TENSOR_NAMES), Vocab(), Vocab(MODELS))
     skipped: dict[int, str] = {}
     versions: dict[int, str] = {}
     workers = threads or min(4, os.cpu_count() or 1, max(1, len(parts)))
@@ -241,7 +261,7 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
         if pf is None:
             return None
         try:
-            return _fill_part(pf, parts[i][1], i, cols, int(starts[i]), vocabs)
+            return _fill_part(pf, parts[i][1], i, cols, int(starts[i]), vocabs, part_rank[i])
         except (_SchemaVersion, MoetraceError) as err:
             return err
         except (pa.ArrowException, OSError, ValueError, EOFError, KeyError) as err:
@@ -275,7 +295,8 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
         keep = np.repeat(ok, counts)
         cols = {k: v[keep] for k, v in cols.items()}
     data = TraceData(runs=runs, cols=cols, run_ids=vocabs[0], tensors=vocabs[1], dtypes=vocabs[2],
-                     parts=parts, skipped_parts=[(parts[i][1], skipped[i]) for i in sorted(skipped)])
+                     parts=parts, skipped_parts=[(parts[i][1], skipped[i]) for i in sorted(skipped)],
+                     labels=labels, models=vocabs[3])
     _check_rows_against_manifests(data)
     return data
 

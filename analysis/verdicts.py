@@ -2,9 +2,9 @@
 
 Order of questions asked of a row (the first yes wins):
 
-1. ``out_of_scope``: its (tp_rank, layer) has no entry in the index (the index
+1. ``out_of_scope``: its (shard, model, layer) has no entry in the index (the index
    was built for fewer layers): ignored and counted.
-2. ``unexpected``: the index covers its (tp_rank, layer) but has no entry for
+2. ``unexpected``: the index covers its (shard, model, layer) but has no entry for
    its (expert, tensor).
 3. ``match``: its fingerprint equals the expected one.
 4. ``zeros`` / ``constant``: it equals a constant fill of its size (zeros, or a
@@ -102,23 +102,25 @@ def first_per_group(groups: np.ndarray, score: np.ndarray) -> np.ndarray:
 
 
 class KeyLookup:
-    """(tp_rank, layer, expert, tensor) -> index position, dense when small."""
+    """(shard, layer key, expert, tensor) -> index position, dense when small. The layer
+    key (``lkey``, set by the Analysis) folds the model into the layer: a draft's layer 0
+    is not the target's."""
 
     def __init__(self, idx: IndexData, n_tensors: int):
         self.idx = idx
         self.nr = int(idx.rank.max()) + 1
-        self.nl = int(idx.layer.max()) + 1
+        self.nl = int(idx.lkey.max()) + 1
         self.ne = int(idx.expert.max()) + 1
         self.nt = max(n_tensors, int(idx.tensor.max()) + 1)
-        keys = self._key(idx.rank, idx.layer, idx.expert, idx.tensor)
+        keys = self._key(idx.rank, idx.lkey, idx.expert, idx.tensor)
         self.dense = None
         size = self.nr * self.nl * self.ne * self.nt
         if size <= (1 << 25):
             self.dense = np.full(size, -1, dtype=np.int64)
             self.dense[keys] = np.arange(idx.n)
         self.keys = keys  # sorted, since the index is sorted by the same key
-        # (rank, layer) blocks: contiguous runs of the index
-        rl = idx.rank * self.nl + idx.layer
+        # (shard, layer key) blocks: contiguous runs of the index
+        rl = idx.rank * self.nl + idx.lkey
         self.block_start = np.full(self.nr * self.nl, -1, dtype=np.int64)
         self.block_len = np.zeros(self.nr * self.nl, dtype=np.int64)
         starts = np.flatnonzero(np.r_[True, rl[1:] != rl[:-1]])
@@ -216,8 +218,8 @@ def constant_candidates(dtype_name: str, nbytes: int) -> list[tuple[str, bytes]]
 def classify(data: TraceData, idx: IndexData, lookup: KeyLookup) -> Verdicts:
     c = data.cols
     n = data.n
-    block = lookup.block_of(c["rank"], c["layer"])
-    pos = lookup.lookup(c["rank"], c["layer"], c["expert"], c["tensor"])
+    block = lookup.block_of(c["shard"], c["lkey"])
+    pos = lookup.lookup(c["shard"], c["lkey"], c["expert"], c["tensor"])
     verdict = np.full(n, UNKNOWN, dtype=np.int8)
     found = np.full(n, -1, dtype=np.int64)
     k = np.zeros(n, dtype=np.int32)
@@ -293,8 +295,8 @@ def _content(data: TraceData, idx: IndexData, rows: np.ndarray, out: Verdicts) -
     if len(q) == 0:
         return rows
     r = rows[q]
-    code, score = relation_score(c["rank"][r], c["layer"][r], c["expert"][r], c["tensor"][r],
-                                 idx.rank[t], idx.layer[t], idx.expert[t], idx.tensor[t])
+    code, score = relation_score(c["shard"][r], c["lkey"][r], c["expert"][r], c["tensor"][r],
+                                 idx.rank[t], idx.lkey[t], idx.expert[t], idx.tensor[t])
     sel = first_per_group(q, score)
     hit = rows[q[sel]]
     out.verdict[hit] = code[sel]
@@ -334,7 +336,7 @@ def _torn(data: TraceData, idx: IndexData, rows: np.ndarray, out: Verdicts) -> N
     # candidate sources: index entries of the same byte size (so chunk positions line
     # up) in the same layer: every expert, rank and tensor kind of it
     sizes = np.unique(c["nbytes"][rows])
-    cand = np.flatnonzero(np.isin(idx.nbytes, sizes) & np.isin(idx.layer, np.unique(c["layer"][rows])))
+    cand = np.flatnonzero(np.isin(idx.nbytes, sizes) & np.isin(idx.lkey, np.unique(c["lkey"][rows])))
     s_owner = s_pos = s_hi = s_lo = np.zeros(0, np.int64)
     if idx.chunk_digests is not None and len(cand):
         cf = idx.chunk_digests_of(cand)
@@ -358,8 +360,8 @@ def _torn(data: TraceData, idx: IndexData, rows: np.ndarray, out: Verdicts) -> N
         r = rows[q_owner[qq]]
         f = s_owner[ss]
         expected = out.pos[r] == f
-        code, score = relation_score(c["rank"][r], c["layer"][r], c["expert"][r], c["tensor"][r],
-                                     idx.rank[f], idx.layer[f], idx.expert[f], idx.tensor[f])
+        code, score = relation_score(c["shard"][r], c["lkey"][r], c["expert"][r], c["tensor"][r],
+                                     idx.rank[f], idx.lkey[f], idx.expert[f], idx.tensor[f])
         score = np.where(expected, -1, score)
         sel = first_per_group(qq, score)
         chunk_src[qq[sel]] = f[sel]
@@ -408,7 +410,8 @@ def _range_doc(idx: IndexData, data: TraceData, row: int, src: int, a: int, b: i
     else:
         doc.update(
             source="expected" if src == out.pos[row] else "index",
-            tp_rank=int(idx.rank[src]), layer=int(idx.layer[src]), expert=int(idx.expert[src]),
+            tp_rank=int(idx.rank[src]), layer=int(idx.layer[src]), model=data.models.names[int(idx.model[src])],
+            expert=int(idx.expert[src]),
             tensor=data.tensors.names[int(idx.tensor[src])], k=int(idx.expert[src] - c["expert"][row]),
         )
     return doc

@@ -49,18 +49,19 @@ def bench_index(path: str, layers: int = 48, experts: int = 256, tp: int = 2, se
     tnames = pa.array(tensors)
     cols = {
         "schema_version": pa.array(np.full(n, INDEX_SCHEMA_VERSION, np.int16)),
-        "checkpoint_id": pa.array([checkpoint_id] * n),
-        "tp_size": pa.array(np.full(n, tp, np.int16)), "tp_rank": pa.array(R.astype(np.int16)),
-        "ep_size": pa.array(np.ones(n, np.int16)), "ep_rank": pa.array(np.zeros(n, np.int16)),
+        "checkpoint_id": pa.array([checkpoint_id] * n), "model": pa.array(["target"] * n),
+        "tp_size": pa.array(np.full(n, tp, np.int16)), "ep_size": pa.array(np.ones(n, np.int16)),
+        "moe_dp_size": pa.array(np.ones(n, np.int16)),
         "moe_tp_size": pa.array(np.full(n, tp, np.int16)), "moe_tp_rank": pa.array(R.astype(np.int16)),
         "layer": pa.array(L.astype(np.int32)), "expert": pa.array(E.astype(np.int32)),
-        "local_expert": pa.array(E.astype(np.int32)), "tensor": tnames.take(pa.array(T)),
+        "tensor": tnames.take(pa.array(T)),
         "copy_position": pa.array(T.astype(np.int8)),
         "dtype": pa.array([BENCH_SHAPES[t][1] for t in tensors]).take(pa.array(T)),
         "shape": pa.array(shapes, pa.list_(pa.int64())).take(pa.array(T)),
         "nbytes": pa.array(nbytes), "digest": _fixed16(fps), "chunk_digests": chunk_arr,
     }
-    meta = {"checkpoint_id": checkpoint_id, "tp_size": tp, "ep_size": 1, "layers": list(range(layers)),
+    meta = {"checkpoint_id": checkpoint_id, "tp_size": tp, "ep_size": 1, "moe_tp_size": tp, "moe_dp_size": 1,
+            "num_experts": experts, "layers": list(range(layers)),
             "fp_version": FP_VERSION, "chunk_bytes": CHUNK_BYTES, "schema_version": INDEX_SCHEMA_VERSION}
     table = pa.table(cols, schema=INDEX_SCHEMA).replace_schema_metadata({INDEX_META_KEY: json.dumps(meta).encode()})
     write_index(table, path)
@@ -101,7 +102,7 @@ def write_bench(out: str, rows: int, run_id: str = "bench", seed: int = 0, rows_
     os.makedirs(os.path.join(trace_dir, run_id), exist_ok=True)
     with open(os.path.join(trace_dir, run_id, RUN_MANIFEST_NAME), "w") as f:
         json.dump(new_run_manifest(run_id, trace_dir, tp_size=tp, expected_ranks=tp, checkpoint_id=ix["checkpoint_id"],
-                                   finished=True, complete=True, ranks=[{"tp_rank": r} for r in range(tp)]), f)
+                                   finished=True, complete=True, ranks=[{"rank_label": str(r)} for r in range(tp)]), f)
     # transport order = expert position (the staged loop walks experts in order)
     for r in range(tp):
         base = np.flatnonzero(ix["R"] == r)  # index rows of this rank, sorted (layer, expert, tensor)
@@ -184,15 +185,19 @@ def _bench_table(ix, j, fps, chunk, step, rank, run_id, seq0, all_chunks: bool) 
     cols = {
         "schema_version": pa.array(np.full(m, TRACE_SCHEMA_VERSION, np.int16)),
         "run_id": pa.DictionaryArray.from_arrays(pa.array(np.zeros(m, np.int32)), pa.array([run_id])).cast(pa.string()),
+        "model": pa.DictionaryArray.from_arrays(pa.array(np.zeros(m, np.int32)), pa.array(["target"])).cast(pa.string()),
         "tp_size": pa.array(np.full(m, ix["tp"], np.int16)), "tp_rank": pa.array(np.full(m, rank, np.int16)),
         "ep_size": pa.array(np.ones(m, np.int16)), "ep_rank": pa.array(np.zeros(m, np.int16)),
         "moe_tp_size": pa.array(np.full(m, ix["tp"], np.int16)), "moe_tp_rank": pa.array(np.full(m, rank, np.int16)),
+        "pp_size": pa.array(np.ones(m, np.int16)), "pp_rank": pa.array(np.zeros(m, np.int16)),
+        "replica": pa.array(np.zeros(m, np.int16)),
         "step": pa.array(step.astype(np.int64)),
         "source": pa.DictionaryArray.from_arrays(pa.array(np.zeros(m, np.int32)), pa.array(["staged"])).cast(pa.string()),
         "capture_seq": pa.array(((seq0 + np.arange(m)) // per_load).astype(np.int64)),
         "transport_position": pa.array(ix["E"][j].astype(np.int32)),
+        "slot": pa.array(ix["E"][j].astype(np.int32)), "expert_copy": pa.array(np.zeros(m, np.int16)),
+        "slot_count": pa.array(np.full(m, ix["experts"], np.int32)),
         "layer": pa.array(ix["L"][j].astype(np.int32)), "expert": pa.array(ix["E"][j].astype(np.int32)),
-        "local_expert": pa.array(ix["E"][j].astype(np.int32)),
         "tensor": pa.array(tensors).take(pa.array(T)),
         "copy_position": pa.array(T.astype(np.int8)),
         "dtype": pa.array([BENCH_SHAPES[t][1] for t in tensors]).take(pa.array(T)),

@@ -1,8 +1,10 @@
 """The expected index file: what every rank must hold, per the checkpoint.
 
-One row per (tp_rank, layer, expert, tensor) with the digest of the exact shard
-SGLang's FusedMoE holds on that rank (schema.INDEX_SCHEMA), with JSON metadata
-under ``INDEX_META_KEY`` (checkpoint_id, tp_size, ep_size, layers, versions).
+One row per (model, moe_tp_rank, layer, expert, tensor) with the digest of the exact
+shard SGLang's FusedMoE holds for that expert on a rank of that moe_tp_rank
+(schema.INDEX_SCHEMA): every expert (and fused shared expert) of every layer, since
+with EPLB any rank may hold any expert in any slot. JSON metadata under
+``INDEX_META_KEY``: checkpoint_id, tp_size, ep_size, moe_dp_size, layers, versions.
 ``read_index`` is the one reader: it checks the schema and fingerprint versions
 for online verification and the analysis alike. Light to import (no safetensors):
 the capture side reads indexes inside a server. Building: checkpoints.index_build.
@@ -58,8 +60,8 @@ def write_index(table: pa.Table, path: str | os.PathLike) -> Path:
 
 
 # Columns every reader needs; chunk_digests is optional (an index may be built without).
-REQUIRED_COLUMNS = ("schema_version", "checkpoint_id", "tp_size", "ep_size", "tp_rank", "layer", "expert",
-                    "tensor", "copy_position", "dtype", "nbytes", "digest")
+REQUIRED_COLUMNS = ("schema_version", "checkpoint_id", "model", "tp_size", "ep_size", "moe_dp_size", "moe_tp_size",
+                    "moe_tp_rank", "layer", "expert", "tensor", "copy_position", "dtype", "nbytes", "digest")
 
 
 def _open(path: str | os.PathLike) -> pq.ParquetFile:
@@ -99,20 +101,21 @@ def index_metadata(path: str | os.PathLike) -> dict:
 
 
 def read_index(path: str | os.PathLike, columns: Sequence[str] | None = None,
-               tp_rank: int | None = None) -> pa.Table:
-    """The one index reader: versions and columns checked, optionally one rank's rows.
-    The table's schema metadata keeps the index metadata (``INDEX_META_KEY``)."""
+               moe_tp_rank: int | None = None) -> pa.Table:
+    """The one index reader: versions and columns checked, optionally one shard's rows
+    (those of one moe_tp_rank). The table's schema metadata keeps the index metadata
+    (``INDEX_META_KEY``)."""
     pf = _open(path)
     _checked_metadata(path, pf)
     names = pf.schema_arrow.names
-    cols = None if columns is None else [c for c in dict.fromkeys(list(columns) + (["tp_rank"] if tp_rank is not None else []))
-                                          if c in names]
+    extra = ["moe_tp_rank"] if moe_tp_rank is not None else []
+    cols = None if columns is None else [c for c in dict.fromkeys(list(columns) + extra) if c in names]
     try:
         table = pf.read(columns=cols)
     except (OSError, pa.ArrowException) as err:
         raise MoetraceError(f"index {path}: unreadable ({_first_line(err)})") from None
-    if tp_rank is not None:
-        table = table.filter(pc.equal(table.column("tp_rank"), tp_rank))
+    if moe_tp_rank is not None:
+        table = table.filter(pc.equal(table.column("moe_tp_rank"), moe_tp_rank))
     return table
 
 

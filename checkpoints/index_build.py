@@ -1,7 +1,8 @@
 """Building and caching the expected index from a checkpoint.
 
-``build_index`` reads every expected TP shard (checkpoints.shards) and
-fingerprints it; ``cached_index`` keeps one index per checkpoint identity, file
+``build_index`` reads every expected TP shard (checkpoints.shards) of every expert of
+every MoE layer, per moe_tp_rank, for the target model and (when the checkpoint has
+one, checkpoints.extra) the draft model, and fingerprints it; ``cached_index`` keeps one index per checkpoint identity, file
 stats and options, so an unchanged checkpoint is fingerprinted once. The file
 format and its one reader are in checkpoints.index.
 """
@@ -26,7 +27,8 @@ from moetrace import __version__
 from moetrace import fingerprint as fpdef
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.reader import Checkpoint, open_checkpoint
-from moetrace.checkpoints.shards import Parallel, expected_layer, local_experts, rank_coords, validate_parallel
+from moetrace.checkpoints.extra import draft_checkpoint
+from moetrace.checkpoints.shards import Parallel, expected_experts, validate_moe_tp
 from moetrace.checkpoints.spec import MoESpec
 from moetrace.errors import MoetraceError
 from moetrace.schema import INDEX_SCHEMA, INDEX_SCHEMA_VERSION, copy_position, dtype_name, format_ids
@@ -38,6 +40,7 @@ class IndexOptions:
     ep_size: int = 1
     layers: tuple[int, ...] | None = None  # None: every MoE layer of the config
     up_first: bool = False
+    moe_dp_size: int = 1
     fp_version: int = fpdef.FP_VERSION
     chunk_bytes: int = fpdef.CHUNK_BYTES
     schema_version: int = INDEX_SCHEMA_VERSION
@@ -52,12 +55,10 @@ class IndexStats:
     extra: dict = field(default_factory=dict)
 
 
-def _add_rows(cols: dict[str, list], name: str, stacked: torch.Tensor, prints, experts: list[int], first: int,
-              stats: IndexStats) -> None:
+def _add_rows(cols: dict[str, list], name: str, stacked: torch.Tensor, prints, first: int, stats: IndexStats) -> None:
     per_shape = list(stacked.shape[1:])
-    for local, f in enumerate(prints, start=first):
-        cols["expert"].append(experts[local])
-        cols["local_expert"].append(local)
+    for expert, f in enumerate(prints, start=first):  # expected_experts stacks the experts in id order
+        cols["expert"].append(expert)
         cols["tensor"].append(name)
         cols["copy_position"].append(copy_position(name))
         cols["dtype"].append(dtype_name(stacked.dtype))
@@ -72,29 +73,28 @@ _BLOCK_BYTES = 64 << 20  # expert bytes read and fingerprinted at a time: reused
 _BUFFERS = threading.local()  # per worker thread: the last block, refilled by the next one
 
 
-def _layer_rows(ckpt: Checkpoint, spec: MoESpec, par: Parallel, layer: int, tp_rank: int, device: str,
+def _layer_rows(ckpt: Checkpoint, model: str, par: Parallel, layer: int, moe_tp_rank: int, device: str,
                 stats: IndexStats) -> dict[str, list]:
-    moe_tp_rank, ep_rank = rank_coords(tp_rank, par)
-    experts = list(local_experts(spec, par, ep_rank))
+    """Every expert's rows (routed, then the fused shared one) for one (model, layer, moe_tp_rank)."""
+    n_experts = ckpt.spec.num_experts + ckpt.spec.shared_experts
     cols: dict[str, list] = {f.name: [] for f in INDEX_SCHEMA}
     first, block = 0, 1  # one expert first: it tells the bytes per expert
-    while first < len(experts):
+    while first < n_experts:
         t0 = time.perf_counter()
-        slots = range(first, min(first + block, len(experts)))
-        shards = expected_layer(ckpt, layer, tp_rank, par, slots, getattr(_BUFFERS, "last", None))
+        experts = range(first, min(first + block, n_experts))
+        shards = expected_experts(ckpt, layer, moe_tp_rank, par, experts, getattr(_BUFFERS, "last", None))
         t1 = time.perf_counter()
         for name, stacked in shards.items():
-            _add_rows(cols, name, stacked, fpdef.fingerprint_rows(stacked.to(device)), experts, first, stats)
+            _add_rows(cols, name, stacked, fpdef.fingerprint_rows(stacked.to(device)), first, stats)
         stats.seconds_read += t1 - t0
         stats.seconds_fingerprint += time.perf_counter() - t1
         per_expert = sum(v[0].numel() * v.element_size() for v in shards.values()) or 1
-        _BUFFERS.last = shards if len(slots) == block else None
-        first += len(slots)
+        _BUFFERS.last = shards if len(experts) == block else None
+        first += len(experts)
         block = max(1, _BLOCK_BYTES // per_expert)
     n = len(cols["expert"])
-    cols["layer"] = [layer] * n
-    cols["tp_size"], cols["tp_rank"] = [par.tp_size] * n, [tp_rank] * n
-    cols["ep_size"], cols["ep_rank"] = [par.ep_size] * n, [ep_rank] * n
+    cols["model"], cols["layer"] = [model] * n, [layer] * n
+    cols["tp_size"], cols["ep_size"], cols["moe_dp_size"] = [par.tp_size] * n, [par.ep_size] * n, [par.moe_dp_size] * n
     cols["moe_tp_size"], cols["moe_tp_rank"] = [par.moe_tp_size] * n, [moe_tp_rank] * n
     return cols
 
@@ -108,24 +108,27 @@ def build_index(
     device: str = "cpu",
     progress: Callable[[int], None] | None = None,
     stats: IndexStats | None = None,
+    moe_dp_size: int = 1,
 ) -> pa.Table:
     """Fingerprint every expected shard; returns an INDEX_SCHEMA table.
 
-    progress(n) is called with the number of (rank, layer) units finished.
+    progress(n) is called with the number of (model, layer, moe_tp_rank) units finished.
     """
     stats = stats if stats is not None else IndexStats()
     ckpt = open_checkpoint(checkpoint)
     spec = ckpt.spec
-    par = Parallel(tp_size=tp_size, ep_size=ep_size, up_first=up_first)
-    validate_parallel(spec, par)
+    par = Parallel(tp_size=tp_size, ep_size=ep_size, up_first=up_first, moe_dp_size=moe_dp_size)
+    validate_moe_tp(spec, par)
     wanted = _resolve_layers(spec, layers, checkpoint)
     if device != "cpu" and not torch.cuda.is_available():
         raise MoetraceError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
-    units = [(layer, rank) for layer in wanted for rank in range(tp_size)]
+    draft, draft_why = draft_checkpoint(ckpt)
+    models = [("target", ckpt, wanted)] + ([("draft", draft, list(draft.spec.moe_layers))] if draft else [])
+    units = [(model, c, layer, r) for model, c, ls in models for layer in ls for r in range(par.moe_tp_size)]
     workers = max(1, min(len(units), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
     parts: list[dict[str, list]] = []
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moetrace-index") as pool:
-        futures = [pool.submit(_layer_rows, ckpt, spec, par, layer, rank, device, stats) for layer, rank in units]
+        futures = [pool.submit(_layer_rows, c, model, par, layer, r, device, stats) for model, c, layer, r in units]
         for fut in futures:
             parts.append(fut.result())
             if progress:
@@ -138,10 +141,15 @@ def build_index(
     cols["schema_version"] = [INDEX_SCHEMA_VERSION] * n
     cols["checkpoint_id"] = [ckpt.identity] * n
     table = pa.table({f.name: pa.array(cols[f.name], type=f.type) for f in INDEX_SCHEMA}, schema=INDEX_SCHEMA)
-    table = table.sort_by([("tp_rank", "ascending"), ("layer", "ascending"), ("expert", "ascending"), ("copy_position", "ascending")])
-    opts = IndexOptions(tp_size, ep_size, tuple(wanted), up_first)
+    table = table.sort_by([("model", "descending"), ("moe_tp_rank", "ascending"), ("layer", "ascending"),
+                           ("expert", "ascending"), ("copy_position", "ascending")])
+    opts = IndexOptions(tp_size, ep_size, tuple(wanted), up_first, moe_dp_size)
     meta = {"checkpoint_id": ckpt.identity, "checkpoint_path": str(Path(checkpoint).resolve()), "moetrace": __version__,
-            "family": spec.family, "format": spec.fmt, "num_experts": spec.num_experts, **asdict(opts)}
+            "family": spec.family, "format": spec.fmt, "num_experts": spec.num_experts,
+            "shared_experts": spec.shared_experts, "moe_tp_size": par.moe_tp_size,
+            "draft": ({"format": draft.spec.fmt, "layers": list(draft.spec.moe_layers)} if draft
+                      else {"excluded": draft_why}),
+            **asdict(opts)}
     stats.rows = n
     return table.replace_schema_metadata({INDEX_META_KEY: json.dumps(meta).encode()})
 
@@ -188,12 +196,13 @@ def cached_index(
     device: str = "cpu",
     progress: Callable[[int], None] | None = None,
     stats: IndexStats | None = None,
+    moe_dp_size: int = 1,
 ) -> tuple[Path, bool]:
     """Path of an index for these options, built only when the cache lacks it.
     Returns (path, reused)."""
     ckpt = open_checkpoint(checkpoint)  # headers only; opened once for the key and the layers
     resolved = tuple(_resolve_layers(ckpt.spec, layers, checkpoint))
-    opts = IndexOptions(tp_size, ep_size, resolved, up_first)
+    opts = IndexOptions(tp_size, ep_size, resolved, up_first, moe_dp_size)
     path = cache_dir() / f"{cache_key(checkpoint, opts, ckpt.identity)}.parquet"
     if path.exists():
         try:
@@ -201,7 +210,7 @@ def cached_index(
             return path, True
         except MoetraceError:
             path.unlink(missing_ok=True)
-    table = build_index(checkpoint, tp_size, ep_size, resolved, up_first, device, progress, stats)
+    table = build_index(checkpoint, tp_size, ep_size, resolved, up_first, device, progress, stats, moe_dp_size)
     write_index(table, path)
     return path, False
 
@@ -209,17 +218,18 @@ def cached_index(
 
 def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size: int, ep_size: int = 1,
                layers: Iterable[int] | None = None, up_first: bool = False, device: str = "cpu",
-               use_cache: bool = True, progress: Callable[[int], None] | None = None) -> dict:
+               use_cache: bool = True, progress: Callable[[int], None] | None = None, moe_dp_size: int = 1) -> dict:
     """`moetrace index`: the index at `output` (from the cache unless use_cache is False);
     returns the summary the command prints."""
     t0 = time.perf_counter()
     stats = IndexStats()
     if use_cache:
-        cached, reused = cached_index(checkpoint, tp_size, ep_size, layers, up_first, device, progress, stats)
+        cached, reused = cached_index(checkpoint, tp_size, ep_size, layers, up_first, device, progress, stats,
+                                      moe_dp_size)
         path = copy_index(cached, output)
     else:
-        path, reused = write_index(build_index(checkpoint, tp_size, ep_size, layers, up_first, device, progress, stats),
-                                   output), False
+        path, reused = write_index(build_index(checkpoint, tp_size, ep_size, layers, up_first, device, progress, stats,
+                                               moe_dp_size), output), False
     meta = index_metadata(path)
     return {
         "index": str(path),
@@ -227,7 +237,9 @@ def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size
         "rows": pq.ParquetFile(path).metadata.num_rows,
         "tp_size": tp_size,
         "ep_size": ep_size,
+        "moe_dp_size": moe_dp_size,
         "layers": meta["layers"],
+        "draft": meta["draft"],
         "reused_cache": reused,
         "seconds": round(time.perf_counter() - t0, 3),
         "bytes_fingerprinted": stats.bytes_fingerprinted,

@@ -15,13 +15,14 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
+from moetrace.checkpoints.extra import DRAFT_PREFIX, shared_expert_count
 from moetrace.checkpoints.spec import MoESpec, expert_tensor_name, fused_tensor_name, is_ignored, spec_from_config
 from moetrace.errors import MoetraceError
 from moetrace.schema import format_ids
@@ -133,11 +134,14 @@ def _as_slice(r, dim: int, name: str, file: Path) -> slice:
 class Checkpoint:
     """An opened checkpoint. Build with open_checkpoint(path)."""
 
-    def __init__(self, path: Path, config: dict, config_bytes: bytes, spec: MoESpec, tensors: dict[str, TensorInfo]):
+    def __init__(self, path: Path, config: dict, config_bytes: bytes, spec: MoESpec, tensors: dict[str, TensorInfo],
+                 draft_tensors: dict[str, TensorInfo] | None = None):
         self.path = path
         self.config = config
         self.spec = spec
         self.tensors = tensors  # name -> TensorInfo, mtp.* / model.visual.* left out
+        self.draft_tensors = draft_tensors or {}  # mtp.*: a draft model's (checkpoints.extra)
+        self.draft_problem: str | None = None  # why the draft's tensors could not be read
         self._config_bytes = config_bytes
         self._handles: dict[Path, object] = {}  # one safe_open per file, reused across reads
         self._fds: dict[Path, int] = {}  # one read-only descriptor per file for pread
@@ -146,8 +150,8 @@ class Checkpoint:
         # Per-expert weight/scale of this format, or a fused 3-D expert tensor.
         kinds = f"weight|{spec.scale_suffix}" if spec.scale_suffix else "weight"
         self._expert_re = re.compile(
-            rf"^{re.escape(spec.prefix)}\.layers\.\d+\.mlp\.experts\."
-            rf"(?:\d+\.(gate|up|down)_proj\.({kinds})|(gate_up|down)_proj)$"
+            rf"^{re.escape(spec.prefix)}\.layers\.\d+\.mlp\.(?:experts\.|shared_experts?\.)"
+            rf"(?:(?:\d+\.)?(gate|up|down)_proj\.({kinds})|(gate_up|down)_proj)$"
         )
 
     # -- metadata ---------------------------------------------------------------
@@ -167,8 +171,9 @@ class Checkpoint:
         two checkpoints with equal ids hold the same layout (data is not hashed)."""
         if self._identity is None:
             h = hashlib.sha256(self._config_bytes)
-            for name in sorted(self.tensors):
-                t = self.tensors[name]
+            everything = {**self.draft_tensors, **self.tensors}
+            for name in sorted(everything):
+                t = everything[name]
                 h.update(f"\n{name}\t{t.file.name}\t{t.dtype}\t{list(t.shape)}\t{list(t.offsets)}".encode())
             self._identity = h.hexdigest()[:16]
         return self._identity
@@ -323,16 +328,18 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         weight_map = data.get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise MoetraceError(f"{index}: 'weight_map' must be an object of tensor name -> file name")
-        weight_map = {k: v for k, v in weight_map.items() if not is_ignored(k)}
         source = index.name
     elif (root / SINGLE_NAME).exists():
-        weight_map = {k: SINGLE_NAME for k in read_header(root / SINGLE_NAME) if not is_ignored(k)}
+        weight_map = {k: SINGLE_NAME for k in read_header(root / SINGLE_NAME)}
         source = SINGLE_NAME
     else:
         raise MoetraceError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
 
+    drafts = {k: v for k, v in weight_map.items() if k.startswith(DRAFT_PREFIX + ".")}
+    weight_map = {k: v for k, v in weight_map.items() if not is_ignored(k)}
     headers: dict[str, dict[str, TensorInfo]] = {}
     tensors: dict[str, TensorInfo] = {}
+    draft_tensors: dict[str, TensorInfo] = {}
     for name, fname in weight_map.items():
         if fname not in headers:
             fpath = root / fname
@@ -343,10 +350,23 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         if info is None:
             raise MoetraceError(f"{name}: listed in {source} under {fname} but absent from {root / fname}")
         tensors[name] = info
+    draft_problem = None  # the target is usable without its draft: a broken mtp.* only leaves the draft out
+    for name, fname in drafts.items():
+        try:
+            if fname not in headers:
+                headers[fname] = read_header(root / fname)
+            draft_tensors[name] = headers[fname][name]
+        except (MoetraceError, KeyError) as err:
+            draft_problem = f"{name}: {err if isinstance(err, MoetraceError) else f'absent from {root / fname}'}"
+            draft_tensors = {}
+            break
 
     spec = spec_from_config(config, root / "config.json", {n: t.dtype for n, t in tensors.items()})
     _check_expert_coverage(spec, tensors, root)
-    return Checkpoint(root, config, config_bytes, spec, tensors)
+    spec = replace(spec, shared_experts=shared_expert_count(spec, tensors))
+    ckpt = Checkpoint(root, config, config_bytes, spec, tensors, draft_tensors)
+    ckpt.draft_problem = draft_problem
+    return ckpt
 
 
 def _check_expert_coverage(spec: MoESpec, tensors: dict[str, TensorInfo], root: Path) -> None:

@@ -1,9 +1,11 @@
 """The expert tensors a TP/EP rank of SGLang's FusedMoE holds after loading,
 computed from the checkpoint alone.
 
-Facts this follows (docs/checkpoints.md, from SGLang's FusedMoE loader): moe_tp_size = tp_size // ep_size;
-ep_rank = tp_rank // moe_tp_size, moe_tp_rank = tp_rank % moe_tp_size; a rank
-owns global experts [ep_rank*E/ep, (ep_rank+1)*E/ep). With I_tp = I/moe_tp_size
+Facts this follows (docs/checkpoints.md, from SGLang's FusedMoE loader and parallel
+state): moe_tp_size = tp_size // ep_size // moe_dp_size; moe_tp_rank = tp_rank %
+moe_tp_size, ep_rank = (tp_rank // moe_tp_size) % ep_size; without EPLB a rank owns
+global experts [ep_rank*E/ep, (ep_rank+1)*E/ep), with EPLB any of them (so the index
+keeps every expert per moe_tp_rank: ``expected_experts``). With I_tp = I/moe_tp_size
 and r = moe_tp_rank: w13_weight[e] = gate rows [r*I_tp, (r+1)*I_tp) then up rows
 (up first when the loader flips the order); w2_weight[e] = down columns
 [r*I_tp, (r+1)*I_tp). Block scales follow in whole blocks; scales are held in
@@ -31,26 +33,27 @@ class Parallel:
     tp_size: int
     ep_size: int = 1
     up_first: bool = False
+    moe_dp_size: int = 1  # --moe-dp-size: experts replicated over moe_dp groups
 
     @property
     def moe_tp_size(self) -> int:
-        return self.tp_size // self.ep_size
+        return self.tp_size // self.ep_size // self.moe_dp_size
 
 
-def validate_parallel(spec: MoESpec, par: Parallel) -> None:
-    """Refuse what SGLang refuses, with its reason, in one line."""
-    opts = f"(tp_size={par.tp_size}, ep_size={par.ep_size})"
-    if par.tp_size < 1 or par.ep_size < 1:
-        raise MoetraceError(f"tp_size and ep_size must be >= 1 {opts}")
-    if par.tp_size % par.ep_size:
-        raise MoetraceError(f"tp_size {par.tp_size} is not divisible by ep_size {par.ep_size} {opts}")
-    if spec.num_experts % par.ep_size:
-        raise MoetraceError(f"num_experts {spec.num_experts} is not divisible by ep_size {par.ep_size} {opts}")
+def validate_moe_tp(spec: MoESpec, par: Parallel) -> None:
+    """Refuse a TP split of the experts SGLang refuses, with its reason, in one line."""
+    opts = f"(tp_size={par.tp_size}, ep_size={par.ep_size}" + (
+        f", moe_dp_size={par.moe_dp_size})" if par.moe_dp_size != 1 else ")")
+    if par.tp_size < 1 or par.ep_size < 1 or par.moe_dp_size < 1:
+        raise MoetraceError(f"tp_size, ep_size and moe_dp_size must be >= 1 {opts}")
+    if par.tp_size % (par.ep_size * par.moe_dp_size):
+        raise MoetraceError(f"tp_size {par.tp_size} is not divisible by ep_size {par.ep_size}"
+                            + (f" x moe_dp_size {par.moe_dp_size}" if par.moe_dp_size != 1 else "") + f" {opts}")
     mts = par.moe_tp_size
     if spec.intermediate_size % mts:
         raise MoetraceError(
             f"moe_intermediate_size {spec.intermediate_size} is not divisible by moe_tp_size {mts} "
-            f"= tp_size/ep_size {opts}"
+            f"= tp_size/ep_size{'/moe_dp_size' if par.moe_dp_size != 1 else ''} {opts}"
         )
     if spec.fmt == "fp8_block":
         i_tp, (bn, bk) = spec.intermediate_size // mts, spec.block
@@ -69,12 +72,21 @@ def validate_parallel(spec: MoESpec, par: Parallel) -> None:
             )
 
 
+def validate_parallel(spec: MoESpec, par: Parallel) -> None:
+    """validate_moe_tp, plus contiguous EP blocks of experts (no EPLB redundancy)."""
+    validate_moe_tp(spec, par)
+    if spec.num_experts % par.ep_size:
+        raise MoetraceError(f"num_experts {spec.num_experts} is not divisible by ep_size {par.ep_size} "
+                            f"(tp_size={par.tp_size}, ep_size={par.ep_size})")
+
+
 def rank_coords(tp_rank: int, par: Parallel) -> tuple[int, int]:
-    """tp_rank -> (moe_tp_rank, ep_rank), as SGLang derives them."""
+    """tp_rank -> (moe_tp_rank, ep_rank), as SGLang derives them (parallel_state: TP ranks
+    are moe_dp_idx * ep * moe_tp + ep_idx * moe_tp + moe_tp_idx)."""
     if not 0 <= tp_rank < par.tp_size:
         raise MoetraceError(f"tp_rank {tp_rank} is outside [0, tp_size={par.tp_size})")
     mts = par.moe_tp_size
-    return tp_rank % mts, tp_rank // mts
+    return tp_rank % mts, (tp_rank // mts) % par.ep_size
 
 
 def local_experts(spec: MoESpec, par: Parallel, ep_rank: int) -> range:
@@ -110,13 +122,20 @@ def _cut(spec: MoESpec, par: Parallel, moe_tp_rank: int) -> _Cut:
     return _Cut(r0, r1, s0, s1, first, second)
 
 
-def _prepare(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel) -> tuple[_Cut, range]:
+def _shard_cut(ckpt: Checkpoint, layer: int, moe_tp_rank: int, par: Parallel) -> _Cut:
     spec = ckpt.spec
-    validate_parallel(spec, par)
+    validate_moe_tp(spec, par)
     if layer not in spec.moe_layers:
         raise MoetraceError(f"layer {layer} is not a MoE layer of {ckpt.path} (MoE layers: {list(spec.moe_layers)})")
+    if not 0 <= moe_tp_rank < par.moe_tp_size:
+        raise MoetraceError(f"moe_tp_rank {moe_tp_rank} is outside [0, moe_tp_size={par.moe_tp_size})")
+    return _cut(spec, par, moe_tp_rank)
+
+
+def _prepare(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel) -> tuple[_Cut, range]:
+    validate_parallel(ckpt.spec, par)
     moe_tp_rank, ep_rank = rank_coords(tp_rank, par)
-    return _cut(spec, par, moe_tp_rank), local_experts(spec, par, ep_rank)
+    return _shard_cut(ckpt, layer, moe_tp_rank, par), local_experts(ckpt.spec, par, ep_rank)
 
 
 def _scale_rows(t: torch.Tensor) -> torch.Tensor:
@@ -192,20 +211,8 @@ def expected_expert(ckpt: Checkpoint, layer: int, expert: int, tp_rank: int, par
     return _expert_unfused(ckpt, layer, expert, c)
 
 
-def expected_layer(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel, slots: range | None = None,
+def _stack_unfused(ckpt: Checkpoint, layer: int, experts, c: _Cut,
                    buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """All local experts' tensors on tp_rank, [E_local, ...] per FusedMoE param,
-    slot i holding global expert local_experts(...)[i].
-
-    slots: only these local slots (rows of the result, in order), e.g. a block
-    of experts at a time. buffers: a previous result to fill again when shapes
-    and dtypes match: a caller walking a checkpoint block by block reuses the
-    same memory instead of faulting in new pages (1-2 GB/s on a VM)."""
-    c, experts = _prepare(ckpt, layer, tp_rank, par)
-    if slots is not None:
-        experts = experts[slots.start : slots.stop]
-    if ckpt.spec.fused_experts:
-        return _experts_fused(ckpt, layer, experts, c)
     out: dict[str, torch.Tensor] = {}
     for i, expert in enumerate(experts):
         slots = {k: v[i] for k, v in out.items()} if out else None
@@ -223,4 +230,43 @@ def expected_layer(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel, sl
                 if p.data_ptr() != dst.data_ptr():
                     host_copy(p, dst)
                 row += p.shape[0]
+    return out
+
+
+def expected_layer(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel, slots: range | None = None,
+                   buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """All local experts' tensors on tp_rank, [E_local, ...] per FusedMoE param,
+    slot i holding global expert local_experts(...)[i] (contiguous EP blocks, no EPLB).
+
+    slots: only these local slots (rows of the result, in order), e.g. a block
+    of experts at a time. buffers: a previous result to fill again when shapes
+    and dtypes match: a caller walking a checkpoint block by block reuses the
+    same memory instead of faulting in new pages (1-2 GB/s on a VM)."""
+    c, experts = _prepare(ckpt, layer, tp_rank, par)
+    if slots is not None:
+        experts = experts[slots.start : slots.stop]
+    if ckpt.spec.fused_experts:
+        return _experts_fused(ckpt, layer, experts, c)
+    return _stack_unfused(ckpt, layer, experts, c, buffers)
+
+
+def expected_experts(ckpt: Checkpoint, layer: int, moe_tp_rank: int, par: Parallel,
+                     experts: range | None = None, buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The shards of `experts` (default: every routed expert, then the fused shared
+    expert(s) ids num_experts + j when the checkpoint has them) for a rank of this
+    moe_tp_rank, stacked [len(experts), ...] per FusedMoE param in the given order.
+    The shard of an expert does not depend on which EP rank or slot holds it.
+    buffers: as expected_layer's."""
+    spec = ckpt.spec
+    c = _shard_cut(ckpt, layer, moe_tp_rank, par)
+    if experts is None:
+        experts = range(spec.num_experts + spec.shared_experts)
+    routed = range(experts.start, min(experts.stop, spec.num_experts))
+    shared = range(max(experts.start, spec.num_experts), experts.stop)
+    if not spec.fused_experts:
+        return _stack_unfused(ckpt, layer, experts, c, buffers)
+    out = _experts_fused(ckpt, layer, routed, c) if len(routed) else {}
+    if len(shared):  # a fused 3-D checkpoint keeps its shared expert unfused
+        extra = _stack_unfused(ckpt, layer, shared, c)
+        out = {k: torch.cat([out[k], v]) if k in out else v for k, v in extra.items()}
     return out

@@ -42,6 +42,9 @@ class MoESpec:
     block: tuple[int, int] | None  # weight_block_size (block_n over out rows, block_k over in cols)
     fused_experts: bool = False  # 3-D mlp.experts.gate_up_proj / down_proj tensors
     scale_dtype: str | None = None  # torch dtype name of the stored scales ("bfloat16", ...)
+    # Shared experts shaped like a routed one (checkpoints.extra): SGLang can fuse them
+    # into the FusedMoE's last slot(s) as expert ids num_experts + j.
+    shared_experts: int = 0
 
     @property
     def scale_suffix(self) -> str | None:
@@ -50,11 +53,22 @@ class MoESpec:
         return {"fp8_block": "weight_scale_inv", "fp8_channel": "weight_scale"}.get(self.fmt)
 
 
+SHARED_EXPERT_MODULES = {"deepseek_v3": "shared_experts", "qwen3_next": "shared_expert", "qwen3_5_moe": "shared_expert"}
+
+
 def expert_tensor_name(spec: MoESpec, layer: int, expert: int, proj: str, kind: str = "weight") -> str:
-    """Checkpoint name of one per-expert tensor; proj in PROJS, kind "weight"|"scale"."""
+    """Checkpoint name of one per-expert tensor; proj in PROJS, kind "weight"|"scale".
+    Expert ids from num_experts on are the shared expert(s), as SGLang's loader fuses
+    them (``mlp.shared_experts`` -> ``mlp.experts.{n_routed_experts}``)."""
     suffix = "weight" if kind == "weight" else spec.scale_suffix
     if suffix is None:
         raise MoetraceError(f"{spec.fmt} checkpoints have no scale tensors")
+    if expert >= spec.num_experts:
+        shared = SHARED_EXPERT_MODULES.get(spec.family)
+        if shared is None or expert >= spec.num_experts + max(spec.shared_experts, 1):
+            raise MoetraceError(f"expert {expert}: {spec.arch} has {spec.num_experts} routed experts "
+                                f"and {spec.shared_experts} fusable shared expert(s)")
+        return f"{spec.prefix}.layers.{layer}.mlp.{shared}.{proj}_proj.{suffix}"
     return f"{spec.prefix}.layers.{layer}.mlp.experts.{expert}.{proj}_proj.{suffix}"
 
 

@@ -25,6 +25,7 @@ _M32 = 0xFFFFFFFF
 # two zeros are left out so a zero-filled (never-copied) tensor never matches.
 _FP8_BYTES = torch.tensor([b for b in range(256) if b not in (0x00, 0x7F, 0x80, 0xFF)], dtype=torch.uint8)
 _KIND = {"weight": 1, "scale": 2}
+DRAFT_VALUE_LAYER = 1 << 16  # the value-layer of the draft's (mtp.*) experts: never a target layer
 
 
 def _mix(x: torch.Tensor | int):
@@ -176,6 +177,8 @@ def write_synthetic_checkpoint(
     block: int = 128,
     seed: int = 0,
     fused: bool = False,
+    shared_expert: bool = False,
+    draft: bool = False,
 ) -> Path:
     """Write a checkpoint directory (config.json + safetensors) and return its path.
 
@@ -185,7 +188,12 @@ def write_synthetic_checkpoint(
     values equal the per-expert ones. Tensors are dealt to files round-robin in
     write order, skipping a file every 5 tensors, so with num_files > 1 some
     weights share a file with their scale and some do not. Non-expert tensors (embeddings, router, shared expert, dense MLPs,
-    Qwen3.5 mtp.* and model.visual.*, DeepSeek's MTP layer) are small stand-ins.
+    Qwen3.5 mtp.* and model.visual.*, DeepSeek's MTP layer) are small stand-ins, except:
+    shared_expert=True writes each MoE layer's shared expert (DeepSeek mlp.shared_experts,
+    Qwen mlp.shared_expert) shaped like a routed expert, with the values of expert id
+    num_experts (the id SGLang's loader fuses it as); draft=True (Qwen3.5) writes the
+    MTP draft's experts ``mtp.layers.0.mlp.experts.*`` in the target's format, with the
+    values of layer ``DRAFT_VALUE_LAYER`` so they differ from every target layer.
     """
     from safetensors.torch import save_file  # writer-only dependency path
 
@@ -198,6 +206,8 @@ def write_synthetic_checkpoint(
         (0 <= dense_layers < num_layers,
          f"--dense-layers {dense_layers} must be in [0, --layers {num_layers}) so at least one layer is MoE"),
         (not fused or fmt == "bf16", f"--fused writes the BF16 3-D layout; it needs --format bf16, got {fmt}"),
+        (not draft or family == "qwen3_5_moe", f"a draft model (mtp.*) is written for qwen3_5_moe only, got {family}"),
+        (not shared_expert or family != "qwen3_moe", "qwen3_moe has no shared expert"),
     ]  # fmt: skip
     for ok, message in checks:
         if not ok:
@@ -220,6 +230,16 @@ def write_synthetic_checkpoint(
     def expert_weight(L: int, e: int, p: int) -> torch.Tensor:
         return synthetic_values(L, e, p, *_grid(*((H, I) if p == 2 else (I, H))), "weight", wdt, seed)
 
+    def write_expert(name: str, L: int, e: int, p: int) -> None:
+        """`name` (…{proj}_proj) and its scale: expert e of value-layer L."""
+        out_dim, in_dim = (H, I) if p == 2 else (I, H)
+        tensors[f"{name}.weight"] = expert_weight(L, e, p)
+        if fmt == "fp8_block":
+            shape = (-(-out_dim // block), -(-in_dim // block))
+            tensors[f"{name}.weight_scale_inv"] = synthetic_values(L, e, p, *_grid(*shape), "scale", sdt, seed)
+        elif fmt == "fp8_channel":
+            tensors[f"{name}.weight_scale"] = synthetic_values(L, e, p, *_grid(out_dim, 1), "scale", sdt, seed)
+
     tensors[f"{prefix}.embed_tokens.weight"] = filler(16, H)
     for L in range(num_layers):
         pre = f"{prefix}.layers.{L}"
@@ -237,14 +257,7 @@ def write_synthetic_checkpoint(
         else:
             for e in range(E):
                 for p, proj in enumerate(PROJ_NAMES):
-                    name = f"{pre}.mlp.experts.{e}.{proj}_proj"
-                    out_dim, in_dim = (H, I) if p == 2 else (I, H)
-                    tensors[f"{name}.weight"] = expert_weight(L, e, p)
-                    if fmt == "fp8_block":
-                        shape = (-(-out_dim // block), -(-in_dim // block))
-                        tensors[f"{name}.weight_scale_inv"] = synthetic_values(L, e, p, *_grid(*shape), "scale", sdt, seed)
-                    elif fmt == "fp8_channel":
-                        tensors[f"{name}.weight_scale"] = synthetic_values(L, e, p, *_grid(out_dim, 1), "scale", sdt, seed)
+                    write_expert(f"{pre}.mlp.experts.{e}.{proj}_proj", L, e, p)
         if family == "deepseek_v3":
             tensors[f"{pre}.mlp.gate.e_score_correction_bias"] = torch.zeros(E)
             shared = f"{pre}.mlp.shared_experts"
@@ -253,7 +266,10 @@ def write_synthetic_checkpoint(
             shared = f"{pre}.mlp.shared_expert"
         else:
             shared = None
-        if shared:
+        if shared and shared_expert:
+            for p, proj in enumerate(PROJ_NAMES):
+                write_expert(f"{shared}.{proj}_proj", L, E, p)
+        elif shared:
             for p, shape in (("gate", (8, H)), ("up", (8, H)), ("down", (H, 8))):
                 tensors[f"{shared}.{p}_proj.weight"] = filler(*shape)
     # Expert-looking tensors that are not routed decoder experts; their shapes
@@ -261,7 +277,12 @@ def write_synthetic_checkpoint(
     if family == "deepseek_v3":  # MTP layer, stored as layer num_hidden_layers
         tensors[f"model.layers.{num_layers}.mlp.experts.0.gate_proj.weight"] = filler(8, H)
         tensors[f"model.layers.{num_layers}.eh_proj.weight"] = filler(H, 2 * H)
-    if family == "qwen3_5_moe":
+    if family == "qwen3_5_moe" and draft:
+        for e in range(E):
+            for p, proj in enumerate(PROJ_NAMES):
+                write_expert(f"mtp.layers.0.mlp.experts.{e}.{proj}_proj", DRAFT_VALUE_LAYER, e, p)
+        tensors["mtp.fc.weight"] = filler(H, 2 * H)
+    elif family == "qwen3_5_moe":
         tensors["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = filler(8, H)
         tensors["mtp.fc.weight"] = filler(H, 2 * H)
         tensors["model.visual.blocks.0.attn.qkv.weight"] = filler(24, 8)

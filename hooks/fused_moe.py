@@ -3,9 +3,9 @@
 A FusedMoE-shaped module holds stacked per-expert params ``[E_local, ...]``:
 ``w13_weight``, ``w2_weight`` and, for FP8, ``w13_weight_scale_inv`` /
 ``w2_weight_scale_inv`` (block) or ``w13_weight_scale`` / ``w2_weight_scale``
-(per-channel); BF16 has no scales. Local expert i of EP rank r is global
-expert ``r * E_local + i`` (KT fork: the wrapper's slot -> logical map). The
-layer comes from ``module.layer_id``.
+(per-channel); BF16 has no scales. Which logical expert each slot holds comes
+from the server's own map, read at every capture (hooks.slots); the layer from
+``module.layer_id``; the model (target or draft) from where the hook was registered.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import torch
 
 from moetrace.hooks import weight_events
 from moetrace.hooks.ranks import module_ranks
+from moetrace.hooks.registration import model_of
+from moetrace.hooks.slots import UNUSED, SlotMapError, read_slot_map
 from moetrace.tracer.capture import Tracer, cuda_graph_capturing
 from moetrace.schema import TENSOR_NAMES
 
@@ -33,33 +35,6 @@ def expert_tensors(module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in found.items() if v.shape[0] == n}
 
 
-def slot_experts(module, n_local: int, ep_rank: int) -> tuple[list[int] | None, str]:
-    """Global expert id held in each of the module's n_local slots, and how it was found.
-
-    KTransformers' fork keeps only the GPU experts in the resident FusedMoE; its
-    quant method (KTEPWrapperMethod) maps slots to logical ids
-    (``gpu_index_to_logical``, or the inverse ``logical_to_gpu_index``), which
-    dynamic expert updates change at run time, so it is read on every call.
-    Otherwise slot i of EP rank r holds ``r * n_local + i``. None: nothing real
-    is resident (KT with no GPU experts keeps a dummy slot).
-    """
-    qm = getattr(module, "quant_method", None)
-    if qm is not None and getattr(qm, "num_gpu_experts", None) == 0:
-        return None, "kt-no-gpu-experts"
-    g2l = getattr(qm, "gpu_index_to_logical", None)
-    if g2l is not None and len(g2l) == n_local:
-        return [int(e) for e in (g2l.tolist() if hasattr(g2l, "tolist") else g2l)], "kt-gpu-index"
-    l2g = getattr(qm, "logical_to_gpu_index", None)
-    if l2g is not None:
-        inv = [-1] * n_local
-        for e, g in enumerate(l2g.tolist() if hasattr(l2g, "tolist") else l2g):
-            if 0 <= int(g) < n_local:
-                inv[int(g)] = e
-        if all(e >= 0 for e in inv):
-            return inv, "kt-logical-index"
-    return [ep_rank * n_local + i for i in range(n_local)], "ep-rank"
-
-
 def layer_of(module) -> int:
     for attr in LAYER_ATTRS:
         v = getattr(module, attr, None)
@@ -70,12 +45,14 @@ def layer_of(module) -> int:
 
 class FusedMoECapture:
     """``hook(module, inputs, output)`` for ``register_forward_hook``; returns None
-    (the output is never touched) and never raises."""
+    (the output is never touched) and never raises. One per factory call: `model` is
+    the model of the runner it was registered for."""
 
     source = "resident"
 
-    def __init__(self, tracer: Tracer):
+    def __init__(self, tracer: Tracer, model: str = "target"):
         self.tracer = tracer
+        self.model = model
 
     def __call__(self, module, inputs, output):
         tr = self.tracer
@@ -85,28 +62,38 @@ class FusedMoECapture:
             if cuda_graph_capturing():  # a graph-capture pass, not a step: replays never reach hooks
                 tr.note_once("forward hook ran during CUDA-graph capture: that pass is not captured")
                 return None
+            model = model_of(module, self.model)
             layer = layer_of(module)
-            step = tr.step_for(self.source, layer)
-            if not tr.sampling.want(self.source, step, layer):
+            step = tr.step_for(self.source, layer, model)
+            if not tr.wants(model, self.source, step, layer):
                 return None
             tensors = expert_tensors(module)
             if not tensors:
-                tr.note_once(f"{type(module).__name__} at layer {layer} has no FusedMoE expert params: not captured")
+                tr.note_once(f"{type(module).__name__} at {model} layer {layer} has no FusedMoE expert params: not captured")
                 return None
-            n_local = next(iter(tensors.values())).shape[0]
-            ranks = module_ranks(module, tr.tp_rank, tr.tp_size)
-            experts, how = slot_experts(module, n_local, ranks.ep_rank)
-            if experts is None:
-                tr.note_once(f"layer {layer}: no GPU-resident experts ({how}): resident capture skipped")
+            n_slots = next(iter(tensors.values())).shape[0]
+            try:
+                slots = read_slot_map(module, n_slots, layer)
+            except SlotMapError as err:  # said by name; the layer reads as never captured, never as divergent
+                tr.note_once(f"{model} layer {layer}: slots not mapped to experts, not captured: {err}")
                 return None
-            local = list(range(n_local))
-            # Unchanged weights reuse their fingerprints only where every write is
-            # counted (weight_events); KT's slots change under its own copies.
+            if slots is None:
+                tr.note_once(f"{model} layer {layer}: no GPU-resident experts (KT keeps a dummy slot): resident capture skipped")
+                return None
+            used = [i for i, e in enumerate(slots.experts) if e != UNUSED]
+            if len(used) < n_slots:
+                tr.note_once(f"{model} layer {layer}: {n_slots - len(used)} slot(s) the loader never fills (no logical "
+                             "expert maps to them) are not captured")
+            tr.sink.count_slot_map(model, slots.source)
+            # Unchanged weights reuse their fingerprints only where every write is counted
+            # (weight_events: loaders, updaters, EPLB's); KT's slots change under its own copies.
             epoch = None
-            if tr.config.resident_cache and how == "ep-rank" and weight_events.watch_params(tensors):
+            if tr.config.resident_cache and not slots.source.startswith("kt") and weight_events.watch_params(tensors):
                 epoch = weight_events.epoch()
-            tr.capture(tensors, layer=layer, source=self.source, step=step, experts=experts,
-                       local_experts=local, positions=local, ranks=ranks, weights_epoch=epoch)
+            tr.capture(tensors, layer=layer, source=self.source, step=step, model=model,
+                       experts=[slots.experts[i] for i in used], slots=used, positions=used,
+                       copies=[slots.copies[i] for i in used], slot_count=len(used),
+                       ranks=module_ranks(module, tr.tp_rank, tr.tp_size), weights_epoch=epoch)
         except Exception as err:
             try:
                 tr.record_error("fused_moe_hook", err)

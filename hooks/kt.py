@@ -24,6 +24,7 @@ import threading
 
 from moetrace.hooks.fused_moe import expert_tensors
 from moetrace.hooks.ranks import module_ranks
+from moetrace.hooks.registration import model_of
 from moetrace.tracer.capture import Tracer
 
 log = logging.getLogger("moetrace.kt")
@@ -130,8 +131,9 @@ class KTLoadCapture:
             if layer is None:
                 raise TypeError("SharedFullContext.load called without layer_idx")
             layer = int(layer)
-            step = tr.step_for(self.source, layer)
-            if not tr.sampling.want(self.source, step, layer):
+            model = model_of(a.get("original_layer"))  # a draft's KT layer stages under its own layer ids
+            step = tr.step_for(self.source, layer, model)
+            if not tr.wants(model, self.source, step, layer):
                 return
             gpu_layer = ctx.gpu_layer
             tensors = expert_tensors(gpu_layer)
@@ -145,9 +147,10 @@ class KTLoadCapture:
             if how == "expert-index":
                 tr.note_once("KT load signature without expert-order arguments: transport_position is the expert index")
             ranks = module_ranks(gpu_layer, tr.tp_rank, tr.tp_size)
-            experts = list(range(n))
-            tr.capture(tensors, layer=layer, source=self.source, step=step, experts=experts,
-                       local_experts=experts, positions=positions, ranks=ranks)
+            experts = list(range(n))  # the full staged layer: slot e holds expert e
+            tr.sink.count_slot_map(model, "kt-staged")
+            tr.capture(tensors, layer=layer, source=self.source, step=step, experts=experts, model=model,
+                       slots=experts, positions=positions, ranks=ranks, slot_count=n)
         except Exception as err:
             try:
                 tr.record_error("kt_load_wrapper", err)

@@ -28,12 +28,16 @@ import time
 from typing import Callable, Sequence
 
 from moetrace.errors import MoetraceError
-from moetrace.hooks.spec import DEFAULT_TARGETS, cuda_graph_flags, hook_spec, installed_sglang_version
+from moetrace.hooks.server import FLAG_CHOICES, cuda_graph_flags_for, server_distribution
+from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec
 from moetrace import storage
+from moetrace.tracer.claim import read_refusals
 from moetrace.tracer.manifest import (
     RUN_MANIFEST_NAME,
     common_value,
+    expected_labels,
     expected_rank_count,
+    label_key,
     new_run_manifest,
     read_manifests,
     run_problems,
@@ -87,20 +91,23 @@ def build_command(cmd: Sequence[str], spec: list[dict], flags: Sequence[str]) ->
     return out
 
 
-def rank_summary(manifests: dict[int, dict], expected_ranks: int | None) -> list[dict]:
-    """One entry per expected rank (or per rank found when the count is unknown);
-    a rank without a manifest is listed with present: false."""
-    keys = ("finished", "close_reason", "disabled", "rows_written", "rows_dropped", "hook_errors", "sink_errors", "online")
-    n = expected_rank_count(manifests, expected_ranks)
-    ranks = sorted(set(range(n)) | set(manifests)) if n is not None else sorted(manifests)
-    return [{"tp_rank": r, "present": r in manifests, **{k: manifests.get(r, {}).get(k) for k in keys}} for r in ranks]
+def rank_summary(manifests: dict[str, dict], expected_ranks: int | None) -> list[dict]:
+    """One entry per expected rank (every TP rank of every stage and replica the
+    manifests name; per rank found when the TP size is unknown); a rank without a
+    manifest is listed with present: false."""
+    keys = ("tp_rank", "pp_rank", "replica", "finished", "close_reason", "disabled", "rows_written", "rows_dropped",
+            "hook_errors", "sink_errors", "online")
+    want = expected_labels(manifests, expected_ranks) or []
+    labels = sorted(set(want) | set(manifests), key=label_key)
+    return [{"rank_label": r, "present": r in manifests, **{k: manifests.get(r, {}).get(k) for k in keys}}
+            for r in labels]
 
 
-def summary_line(run_id: str, manifests: dict[int, dict], expected_ranks: int | None, problems: list[str]) -> str:
+def summary_line(run_id: str, manifests: dict[str, dict], expected_ranks: int | None, problems: list[str]) -> str:
     """The launcher's one-line end-of-run report."""
     if problems:
         return f"moetrace: run {run_id} INCOMPLETE: " + "; ".join(problems)
-    n = expected_rank_count(manifests, expected_ranks) or len(manifests)
+    n = len(expected_labels(manifests, expected_ranks) or manifests)
     finished = sum(1 for m in manifests.values() if m.get("finished"))
 
     def total(key):
@@ -130,21 +137,21 @@ class _Stop(int):
 
 
 class Launcher:
-    def __init__(self, cmd: Sequence[str], config: dict, *, sglang_version: str | None = None,
+    def __init__(self, cmd: Sequence[str], config: dict, *, server_flags: str = "auto",
                  disable_cuda_graph: bool = True, close_timeout_s: float = 20.0,
                  echo: Callable[[str], None] = print, targets: Sequence[str] = DEFAULT_TARGETS):
         if not cmd:
             raise MoetraceError("launch: give the server command after --, e.g. moetrace launch --out t -- python -m sglang.launch_server ...")
+        if server_flags not in FLAG_CHOICES:
+            raise MoetraceError(f"--server-flags {server_flags!r}: expected one of {', '.join(FLAG_CHOICES)}")
         self.user_cmd = list(cmd)
         self.echo = echo
         self.close_timeout_s = close_timeout_s
-        if sglang_version:
-            self.sglang_version, how = sglang_version, "option"
-        else:
-            self.sglang_version = installed_sglang_version()
-            how = "installed" if self.sglang_version else "unknown"
+        dist = server_distribution()
+        self.sglang_version, how = (dist[1], "distribution") if dist else (None, "unknown")
         self.version_source = how
-        self.flags = cuda_graph_flags(self.sglang_version) if disable_cuda_graph else ()
+        self.flags, self.flags_source = cuda_graph_flags_for(self.user_cmd, server_flags, dist) \
+            if disable_cuda_graph else ((), "kept")
         self.control_dir = tempfile.mkdtemp(prefix="moetrace-ctl-")
         config = dict(config)
         self.spec = hook_spec(config, targets)
@@ -162,7 +169,9 @@ class Launcher:
         self._stop_requested_at: float | None = None  # monotonic time the first stop was acted on
         self.run_manifest = new_run_manifest(
             run_id, self.config["out"], sglang_version=self.sglang_version, sglang_version_source=how,
-            cuda_graph_flags=list(self.flags), user_command=self.user_cmd, command=self.cmd, hook_spec=self.spec,
+            server_distribution={"name": dist[0], "version": dist[1]} if dist else None,
+            cuda_graph_flags=list(self.flags), cuda_graph_flags_source=self.flags_source,
+            user_command=self.user_cmd, command=self.cmd, hook_spec=self.spec,
             expected_ranks=self.expected_ranks, tp_size=self.expected_ranks,
             checkpoint_id=self.config.get("checkpoint_id"),
         )
@@ -192,9 +201,8 @@ class Launcher:
             ms = read_manifests(self.config["out"], self.run_id)
             if not ms and time.monotonic() > start + 2.0:
                 return False  # no rank ever opened a trace: nothing to wait for
-            if ms and all(m.get("finished") for m in ms.values()) and (
-                self.expected_ranks is None or len(ms) >= self.expected_ranks
-            ):
+            want = expected_labels(ms, self.expected_ranks) if ms else None
+            if ms and all(m.get("finished") for m in ms.values()) and (want is None or set(want) <= set(ms)):
                 return True
             if self.proc is not None and self.proc.poll() is not None:
                 return False
@@ -262,8 +270,14 @@ class Launcher:
             manifests = {}
             self.echo(f"moetrace: warning: cannot read the rank manifests: {err}")
         exit_code = None if self.proc is None else self.proc.returncode
+        try:
+            fs, base = storage.open_fs(self.config["out"])
+            refusals = read_refusals(fs, storage.join(base, self.run_id))
+        except Exception:
+            refusals = []
         problems = run_problems(manifests, self.expected_ranks, server_started=self.proc is not None,
-                                server_exit_code=exit_code, stop_requested=self._stop_requested_at is not None)
+                                server_exit_code=exit_code, stop_requested=self._stop_requested_at is not None,
+                                refusals=refusals)
         self.run_manifest.update(
             finished_at=utc_now(),
             finished=True,

@@ -2,12 +2,16 @@
 
 SGLang calls ``make_hook(config)`` once per hook spec in every TP worker, after
 the model is loaded, and registers the returned ``hook(module, inputs, output)``
-on every module matching the spec's ``target_modules``. The factory
+on every module matching the spec's ``target_modules``; a speculative draft's
+runner does the same for its own model. The factory
 
-- reads the config (plain JSON, docs/capture.md) and finds this worker's rank,
+- reads the config (plain JSON, docs/capture.md),
+- reads where it is called from (hooks.registration): which runner and model,
+  whether that is a draft, the modules it will hook, the server's pass counter,
+- finds this worker's identity (TP rank, pipeline stage, replica: hooks.ranks),
 - opens (once per process and run) the tracer and its Parquet sink,
 - wraps KT's ``SharedFullContext.load`` when the server is a KT server,
-- returns the FusedMoE capture hook.
+- returns a FusedMoE capture hook bound to that model.
 
 It never raises into the server: a bad config or an unwritable output logs an
 error and returns None (SGLang then registers nothing). Importing this module
@@ -20,9 +24,10 @@ import logging
 import threading
 
 from moetrace.hooks import weight_events
-from moetrace.hooks.fused_moe import FusedMoECapture
+from moetrace.hooks.fused_moe import FusedMoECapture, layer_of
 from moetrace.hooks.kt import install_kt_capture
-from moetrace.hooks.ranks import detect_rank
+from moetrace.hooks.ranks import detect_process
+from moetrace.hooks.registration import Registration, bind_modules, find_registration, model_name
 from moetrace.tracer.capture import Tracer
 from moetrace.tracer.config import TraceConfig
 
@@ -32,15 +37,39 @@ _TRACERS: dict[tuple[str, str], Tracer] = {}
 _LOCK = threading.Lock()
 
 
-def get_tracer(cfg: TraceConfig) -> Tracer:
+def get_tracer(cfg: TraceConfig, reg: Registration | None = None) -> Tracer:
     """The process's tracer for (out, run_id): created on first use."""
     key = (cfg.out, cfg.run_id)
     with _LOCK:
         tracer = _TRACERS.get(key)
         if tracer is None or tracer.sink.closed:
-            rank, size, how = detect_rank(cfg.tp_rank, cfg.tp_size)
-            tracer = _TRACERS[key] = Tracer(cfg, rank, size, rank_source=how)
+            p = detect_process(cfg, reg.runner if reg else None, reg.dp_rank if reg else None)
+            tracer = _TRACERS[key] = Tracer(cfg, p.tp_rank, p.tp_size, rank_source=p.sources["tp"],
+                                            pp_rank=p.pp_rank, pp_size=p.pp_size, replica=p.replica,
+                                            rank_sources=p.sources)
         return tracer
+
+
+def _hooked_layers(reg: Registration | None) -> list[int] | None:
+    if reg is None:
+        return None
+    layers = set()
+    for module in reg.modules.values():
+        try:
+            layers.add(layer_of(module))
+        except AttributeError:
+            continue
+    return sorted(layers)
+
+
+def serve_model(tracer: Tracer, reg: Registration | None) -> str:
+    """Declare the model this factory call serves to the tracer; returns its name."""
+    name, how = model_name(reg)
+    pass_id, step_source = reg.pass_counter() if reg is not None else (None, "layer-order")
+    tracer.register_model(name, pass_id=pass_id, step_source=step_source, detected_by=how,
+                          architecture=reg.architecture if reg is not None else None, layers=_hooked_layers(reg))
+    bind_modules(reg, name)
+    return name
 
 
 def make_hook(config: dict | None):
@@ -51,17 +80,27 @@ def make_hook(config: dict | None):
         log.error("moetrace: invalid hook config, tracing is off: %s", err)
         return None
     try:
-        tracer = get_tracer(cfg)
+        reg = find_registration()
+    except Exception as err:  # never stop the server over reading its frames
+        log.warning("moetrace: cannot read the registering runner (%s): target model, layer-order steps", err)
+        reg = None
+    try:
+        tracer = get_tracer(cfg, reg)
     except Exception as err:
         log.error("moetrace: cannot start tracing, the server runs untraced: %s", err)
         return None
     if cfg.resident_cache and not weight_events.install():
         tracer.note_once("SGLang's weight writers were not found: resident weights are fingerprinted on every pass")
     try:
+        model = serve_model(tracer, reg)
+    except Exception as err:
+        tracer.record_error("model_identity", err)
+        model = "target"
+    try:
         install_kt_capture(tracer, cfg.kt)
     except Exception as err:
         tracer.record_error("kt_install", err)
-    return FusedMoECapture(tracer)
+    return FusedMoECapture(tracer, model)
 
 
 def close_all(reason: str = "close", timeout: float | None = None) -> bool:

@@ -1,51 +1,18 @@
-"""The ``--forward-hooks`` JSON for SGLang, and the flags that keep hooks firing.
-
-SGLang hooks run only on the eager forward path (never during CUDA-graph
-replay), so a capture of every step needs CUDA graphs off: 0.5.23 and later
-spell it ``--disable-prefill-cuda-graph --disable-decode-cuda-graph``; older
-releases (and the KT fork) ``--disable-cuda-graph`` (still accepted, deprecated,
-by 0.5.23).
-"""
+"""The ``--forward-hooks`` JSON for SGLang. The flags that keep hooks firing (CUDA
+graphs off) are hooks.server's."""
 
 from __future__ import annotations
 
 import os
-import re
 
 from moetrace.errors import MoetraceError
 from moetrace.tracer.config import TraceConfig, new_run_id
-from moetrace.tracer.manifest import package_version
 
 FACTORY_PATH = "moetrace.hooks.sglang_hook:make_hook"
 SPEC_NAME = "moetrace"
 # Qwen3-MoE / Qwen3-Next / DeepSeek: model.layers.L.mlp.experts; Qwen3.5-MoE
 # (conditional-generation wrapper) may nest the decoder under language_model.
 DEFAULT_TARGETS = ("model.layers.*.mlp.experts", "model.language_model.layers.*.mlp.experts")
-SPLIT_CUDA_GRAPH_FLAGS = ("--disable-prefill-cuda-graph", "--disable-decode-cuda-graph")
-LEGACY_CUDA_GRAPH_FLAGS = ("--disable-cuda-graph",)
-SPLIT_FLAGS_SINCE = (0, 5, 23)
-
-
-def parse_version(text: str | None) -> tuple[int, ...] | None:
-    """'0.5.23', '0.5.23.post1', '0.5.4+kt' -> (0, 5, 23) / (0, 5, 4); None if no digits."""
-    if not text:
-        return None
-    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", str(text))
-    return tuple(int(p) for p in m.group(1).split(".")) if m else None
-
-
-def installed_sglang_version() -> str | None:
-    return package_version("sglang")
-
-
-def cuda_graph_flags(version: str | None) -> tuple[str, ...]:
-    """Flags that disable CUDA graphs for this SGLang version (unknown: the legacy
-    spelling, which old releases need and 0.5.23 still accepts)."""
-    v = parse_version(version)
-    if v is not None and v >= SPLIT_FLAGS_SINCE:
-        return SPLIT_CUDA_GRAPH_FLAGS
-    return LEGACY_CUDA_GRAPH_FLAGS
-
 
 def hook_config(config: dict) -> dict:
     """Validate a capture config and pin what every rank must agree on (run id,

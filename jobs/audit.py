@@ -80,7 +80,7 @@ class LaunchOptions:
     traffic: Traffic = field(default_factory=Traffic)
     base_url: str | None = None
     hook_config: dict = field(default_factory=dict)
-    sglang_version: str | None = None
+    server_flags: str = "auto"  # hooks.server.FLAG_CHOICES
 
 
 def run_analysis(command: str, opts: AnalysisOptions, echo: Callable[[str], None],
@@ -149,7 +149,7 @@ def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[st
         config.setdefault("checkpoint_id", open_checkpoint(opts.checkpoint).identity)
     try:
         run_dir, server_code, res = launch_and_drive(launch.command, config, launch.traffic, launch.base_url,
-                                                     echo=progress, sglang_version=launch.sglang_version)
+                                                     echo=progress, server_flags=launch.server_flags)
     except MoetraceError as err:
         opts.reports.write_unusable(f"audit --launch: {err}")
         raise

@@ -67,8 +67,9 @@ def test_json_is_stable_and_documented(env):
                          "loads", "missing_loads", "divergent_rows", "divergent_rows_truncated"]
     assert doc["status"] == "divergent" and doc["audit_exit_code"] == 1
     row = doc["divergent_rows"][0]
-    assert set(row) == {"run_id", "step", "layer", "tp_rank", "source", "capture_seq", "transport_position", "copy_position",
-                        "expert", "tensor", "verdict", "k", "found", "value", "chunks", "digest", "expected_digest", "sentence"}
+    assert set(row) == {"run_id", "step", "model", "layer", "rank", "tp_rank", "moe_tp_rank", "source", "capture_seq",
+                        "transport_position", "copy_position", "expert", "slot", "expert_copy", "shared_expert", "tensor",
+                        "verdict", "k", "found", "value", "chunks", "digest", "expected_digest", "sentence"}
     assert len(row["digest"]) == 32
     docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "analysis.md")).read()
     for key in list(doc) + list(doc["totals"]) + list(row):
@@ -144,7 +145,7 @@ def test_audit_exit_codes(env, tmp_path):
 def test_missing_rank_counts_its_loads(env, tmp_path):
     write_scenario(env["model"], str(tmp_path), "onerank", STEPS, None, ranks=[0])
     doc = json.loads(cli("analyze", tmp_path / "onerank", "--index", env["index"], "--json").output)
-    assert doc["runs"][0]["ranks_missing"] == [1]
+    assert doc["runs"][0]["ranks_missing"] == ["1"]
     assert doc["totals"]["sentence"].startswith("192/384 tensors match across 3 steps, 1 rank")
     assert len(doc["missing_loads"]) == 6 and doc["status"] == "incomplete"
 

@@ -71,7 +71,7 @@ def test_unfenced_verdicts(traces, index):
     assert {(r["expert"], r["k"], r["found"]["expert"]) for r in stale} == {(e, 2, e + 2) for e in range(6)}
     assert all(r["tp_rank"] == 1 and r["step"] == 1 and r["tensor"] == "w2_weight_scale_inv" for r in stale)
     swapped = by(doc, verdict="wrong_rank")
-    assert {(r["tp_rank"], r["found"]["tp_rank"], r["k"]) for r in swapped} == {(0, 1, 0), (1, 0, 0)}
+    assert {(r["tp_rank"], r["found"]["moe_tp_rank"], r["k"]) for r in swapped} == {(0, 1, 0), (1, 0, 0)}
     assert swapped[0]["sentence"] == "step 2, layer 1, rank 0, expert 3: w13_weight holds rank 1's shard"
     (z,) = by(doc, verdict="zeros")
     assert (z["tp_rank"], z["layer"], z["expert"], z["tensor"]) == (0, 0, 4, "w2_weight")
@@ -82,14 +82,14 @@ def test_unfenced_verdicts(traces, index):
     assert t["sentence"] == "step 2, layer 1, rank 1, expert 5: w13_weight is torn: chunk 0 expert 5 (expected), chunk 1 expert 7 (E+2)"
     (load,) = [x for x in doc["loads"] if x["missing"]]
     assert (load["step"], load["tp_rank"], load["layer"], load["expected"], load["captured"]) == (2, 1, 1, 32, 31)
-    assert load["missing_entries"] == [{"expert": 6, "tensor": "w2_weight"}]
+    assert load["missing_entries"] == [{"slot": 6, "expert": 6, "tensor": "w2_weight"}]
 
 
 def test_first_divergence_and_summaries(traces, index):
     doc = analyze([f"{traces}/unfenced"], index=index).doc
     (fd,) = doc["first_divergence"]
     assert fd["sentence"] == "step 1, layer 0, rank 1, expert 0: w2_weight_scale_inv holds expert 2 (E+2)"
-    assert (fd["step"], fd["layer"], fd["copy_position"], fd["ranks"]) == (1, 0, 3, [1])
+    assert (fd["step"], fd["layer"], fd["copy_position"], fd["ranks"]) == (1, 0, 3, ["1"])
     sentences = [s["sentence"] for s in doc["summaries"]]
     assert sentences == [
         "rank 1, layer 0, step 1: 6/8 w2_weight_scale_inv are E+2",
@@ -110,7 +110,7 @@ def test_first_divergence_lists_every_rank_there(model, index, tmp_path):
 
     write_scenario(model, str(tmp_path), "swap", [0, 1], swap)
     (fd,) = analyze([str(tmp_path / "swap")], index=index).doc["first_divergence"]
-    assert fd["ranks"] == [0, 1]
+    assert fd["ranks"] == ["0", "1"]
     assert fd["sentence"] == ("step 0, layer 1, rank 0, expert 3: w13_weight holds rank 1's shard; "
                               "rank 1, expert 3: w13_weight holds rank 0's shard")
 

@@ -57,7 +57,7 @@ def test_demo_unfenced_caught_fenced_clean(demo_run):
     rep = analyze([str(work / "traces" / "unfenced")], index=str(work / "index.parquet"))
     assert rep.exit_code == 1
     first = rep.doc["first_divergence"][0]
-    assert first["ranks"] == [1] and first["layer"] == 0 and first["step"] == 0
+    assert first["ranks"] == ["1"] and first["layer"] == 0 and first["step"] == 0
     e = first["entries"][0]
     assert (e["verdict"], e["k"], e["tensor"], e["tp_rank"]) == ("stale", 2, "w2_weight_scale_inv", 1)
     assert e["found"]["expert"] == e["expert"] + 2

@@ -24,7 +24,8 @@ from torch import nn
 from moetrace.hooks import sglang_hook
 from moetrace.hooks.kt import GPU_COPIED, transport_positions
 from moetrace.hooks.launch import Launcher, build_command, expected_tp
-from moetrace.hooks.spec import DEFAULT_TARGETS, LEGACY_CUDA_GRAPH_FLAGS, SPLIT_CUDA_GRAPH_FLAGS, cuda_graph_flags, hook_spec
+from moetrace.hooks.server import LEGACY_CUDA_GRAPH_FLAGS, SPLIT_CUDA_GRAPH_FLAGS, cuda_graph_flags_for, server_distribution
+from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec
 from moetrace.tracer.manifest import read_manifests
 from support.traces import read_rows as read_trace
 
@@ -102,9 +103,10 @@ def build_model(ckpt_path, tp_rank=0, tp_size=1):
     return FakeModel(layers)
 
 
-def index_fps(index_path, tp_rank=None) -> dict:
+def index_fps(index_path) -> dict:
+    """(moe_tp_rank, layer, expert, tensor) -> digest of the target model's index rows."""
     t = pq.read_table(index_path).to_pylist()
-    return {(r["tp_rank"], r["layer"], r["expert"], r["tensor"]): r["digest"] for r in t if tp_rank in (None, r["tp_rank"])}
+    return {(r["moe_tp_rank"], r["layer"], r["expert"], r["tensor"]): r["digest"] for r in t if r["model"] == "target"}
 
 
 @pytest.fixture
@@ -148,7 +150,7 @@ def test_sglang_register_forward_hooks_matches_index(make_ckpt, index, tmp_path)
     assert all(r["digest"] == want[(0, r["layer"], r["expert"], r["tensor"])] for r in t)
     assert {r["online"] for r in t} == {"match"}
     assert sorted({(r["step"], r["layer"]) for r in t}) == [(s, L) for s in range(3) for L in (0, 1)]
-    m = read_manifests(str(tmp_path), "one")[0]
+    m = read_manifests(str(tmp_path), "one")["0"]
     assert m["finished"] and m["hook_errors"] == 0 and m["online"] == {"match": len(t), "mismatch": 0, "unchecked": 0}
     assert m["checkpoint_id"] == pq.read_table(idx).column("checkpoint_id")[0].as_py()
     assert m["rank_source"] in ("default", "env")
@@ -172,7 +174,7 @@ def test_swapped_expert_slice_is_recorded_and_dumped(make_ckpt, index, tmp_path)
     want = index_fps(idx)
     assert bad[0]["digest"] == want[(0, 1, 5, "w2_weight_scale_inv")]  # the bytes are expert 5's
     assert bad[0]["chunk_digests"] and all(r["chunk_digests"] is None for r in t if r["online"] == "match")
-    m = read_manifests(str(tmp_path), "swap")[0]
+    m = read_manifests(str(tmp_path), "swap")["0"]
     assert m["dumps"]["count"] == 1 and m["dumps"]["skipped"] == 1 and m["online"]["mismatch"] == 2
     from safetensors import safe_open
 
@@ -213,7 +215,7 @@ def test_tp2_gloo_two_processes(make_ckpt, index, tmp_path):
     spec = json.dumps(_spec(tmp_path, run_id="tp2", index=idx))
     mp.spawn(_tp2_worker, args=(2, _free_port(), str(ckpt), {"spec": spec}), nprocs=2, join=True)
     ms = read_manifests(str(tmp_path), "tp2")
-    assert sorted(ms) == [0, 1] and all(m["finished"] and m["rank_source"] == "torch.distributed" for m in ms.values())
+    assert sorted(ms) == ["0", "1"] and all(m["finished"] and m["rank_source"] == "torch.distributed" for m in ms.values())
     t = read_trace(str(tmp_path), "tp2").to_pylist()
     keys = {r: {(x["step"], x["layer"], x["expert"], x["tensor"]) for x in t if x["tp_rank"] == r} for r in (0, 1)}
     assert keys[0] == keys[1] and len(keys[0]) == 3 * 2 * 8 * 4  # rows line up by step
@@ -334,22 +336,24 @@ def test_kt_staged_load_capture_via_factory(make_ckpt, index, tmp_path, monkeypa
 def test_slot_to_global_expert_ids(tmp_path):
     from types import SimpleNamespace
 
-    from moetrace.hooks.fused_moe import slot_experts
+    from moetrace.hooks.slots import read_slot_map
 
     ep = FakeFusedMoE(0, {"w2_weight": torch.zeros(4, 2)}, 8, ep_rank=1, ep_size=2)
-    assert slot_experts(ep, 4, 1) == ([4, 5, 6, 7], "ep-rank")
+    m = read_slot_map(ep, 4, 0)
+    assert (m.experts, m.copies, m.source) == ([4, 5, 6, 7], [0] * 4, "ep-contiguous")
     kt = SimpleNamespace(quant_method=SimpleNamespace(gpu_index_to_logical=torch.tensor([5, 1, 7])))
-    assert slot_experts(kt, 3, 0) == ([5, 1, 7], "kt-gpu-index")
+    assert read_slot_map(kt, 3, 0).experts == [5, 1, 7] and read_slot_map(kt, 3, 0).source == "kt-gpu-index"
     inv = SimpleNamespace(quant_method=SimpleNamespace(logical_to_gpu_index=torch.tensor([-1, 1, -1, 0])))
-    assert slot_experts(inv, 2, 0) == ([3, 1], "kt-logical-index")
+    assert read_slot_map(inv, 2, 0).experts == [3, 1] and read_slot_map(inv, 2, 0).source == "kt-logical-index"
     none = SimpleNamespace(quant_method=SimpleNamespace(num_gpu_experts=0))
-    assert slot_experts(none, 1, 0) == (None, "kt-no-gpu-experts")
-    # Through the hook: EP rank 1 of 2 records global ids 4..7.
+    assert read_slot_map(none, 1, 0) is None
+    # Through the hook: EP rank 1 of 2 records global ids 4..7 in slots 0..3.
     tr = sglang_hook.get_tracer(sglang_hook.TraceConfig.from_dict({"out": str(tmp_path), "run_id": "ep", "tp_rank": 1, "tp_size": 2}))
     sglang_hook.FusedMoECapture(tr)(ep, (), None)
     assert tr.close()
     rows = read_trace(str(tmp_path), "ep").to_pylist()
-    assert [(r["expert"], r["local_expert"], r["ep_rank"], r["ep_size"]) for r in rows] == [(4 + i, i, 1, 2) for i in range(4)]
+    assert [(r["expert"], r["slot"], r["ep_rank"], r["ep_size"], r["slot_count"]) for r in rows] == [
+        (4 + i, i, 1, 2, 4) for i in range(4)]
 
 
 def test_hook_skips_cuda_graph_capture_passes(tmp_path, monkeypatch):
@@ -367,7 +371,7 @@ def test_hook_skips_cuda_graph_capture_passes(tmp_path, monkeypatch):
     assert tr.close()
     rows = read_trace(str(tmp_path), "graph").to_pylist()
     assert [(r["step"], r["expert"]) for r in rows] == [(0, e) for e in range(4)]
-    m = read_manifests(str(tmp_path), "graph")[0]
+    m = read_manifests(str(tmp_path), "graph")["0"]
     assert m["hook_errors"] == 0 and any("CUDA-graph capture" in n for n in m["notes"])
 
 
@@ -389,7 +393,7 @@ def test_hook_error_is_counted_and_disables_after_limit(make_ckpt, tmp_path):
     for _ in range(5):
         assert torch.equal(good(torch.zeros(2)), torch.full((2,), 2.0))  # the host keeps running
     assert sglang_hook.close_all()
-    m = read_manifests(str(tmp_path), "err")[0]
+    m = read_manifests(str(tmp_path), "err")["0"]
     assert m["hook_errors"] == 3 and m["disabled"] and "max_hook_errors=3" in m["disabled_reason"]
     assert "device lost" in m["errors"][0]["message"] and m["finished"]
     t = read_trace(str(tmp_path), "err").to_pylist()
@@ -425,8 +429,6 @@ def test_hook_spec_and_cuda_graph_flags(tmp_path):
     assert c["out"] == os.path.abspath("rel/t") and c["layers"] == "0-3" and c["kt"] is False and c["run_id"]
     bad = CliRunner().invoke(main, ["hook-spec", "--out", "t", "--layers", "x"])
     assert bad.exit_code == 2 and "layers" in bad.output
-    assert cuda_graph_flags("0.5.23") == cuda_graph_flags("0.6.0rc1") == SPLIT_CUDA_GRAPH_FLAGS
-    assert cuda_graph_flags("0.5.4.post3+kt") == cuda_graph_flags(None) == LEGACY_CUDA_GRAPH_FLAGS
     other = [{"name": "x", "target_modules": ["a"], "hook_factory": "m:f"}]
     cmd = build_command(["python", "-m", "sglang.launch_server", "--tp", "2", "--forward-hooks", json.dumps(other)],
                         hook_spec({"out": str(tmp_path)}), SPLIT_CUDA_GRAPH_FLAGS)
@@ -484,7 +486,7 @@ def test_launch_runs_server_and_finishes_the_trace(make_ckpt, tmp_path):
     out = tmp_path / "traces"
     env = dict(os.environ, FAKE_CKPT=str(make_ckpt(**CKPT)))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moetrace.cli", "launch", "--out", str(out), "--run-id", "L", "--sglang-version", "0.5.23",
+        [sys.executable, "-m", "moetrace.cli", "launch", "--out", str(out), "--run-id", "L", "--server-flags", "split",
          "--close-timeout", "20", "--", sys.executable, str(server), "--model-path", "m", "--tp", "2"],
         env=env, stderr=subprocess.PIPE, text=True,
     )
@@ -529,11 +531,11 @@ def test_run_problems_and_summary_line():
     from moetrace.hooks.launch import summary_line
     from moetrace.tracer.manifest import run_problems
 
-    good = {0: _rank(0), 1: _rank(1)}
+    good = {"0": _rank(0), "1": _rank(1)}
     assert run_problems(good, 2, server_exit_code=0, stop_requested=True) == []
     assert summary_line("X", good, 2, []) == ("moetrace: run X complete: 2/2 ranks finished, 13,056 rows, 0 dropped, "
                                               "0 hook errors; online check: 12,900 match, 156 mismatch")
-    no_index = {r: _rank(r, config={}, online={"match": 0, "mismatch": 0, "unchecked": 6528}) for r in (0, 1)}
+    no_index = {r: _rank(int(r), config={}, online={"match": 0, "mismatch": 0, "unchecked": 6528}) for r in ("0", "1")}
     assert summary_line("X", no_index, None, []).endswith("0 hook errors")  # no index: no online part
     # A server that dies at start-up (port in use, bad flag): no manifests, non-zero exit on its own.
     p = run_problems({}, 2, server_exit_code=1, stop_requested=False)
@@ -543,13 +545,13 @@ def test_run_problems_and_summary_line():
     assert run_problems(good, 2, server_exit_code=-15, stop_requested=True) == []
     assert "signal 9" in run_problems(good, 2, server_exit_code=-9)[0]
     # Fewer ranks than --tp, or than the manifests' tp_size when --tp is unknown.
-    assert run_problems({0: _rank(0)}, 2) == ["1/2 ranks reported (no manifest from rank 1)"]
-    assert run_problems({1: _rank(1)}, None) == ["1/2 ranks reported (no manifest from rank 0)"]
-    assert "unexpected rank 2" in run_problems({**good, 2: _rank(2)}, 2)[0]
+    assert run_problems({"0": _rank(0)}, 2) == ["1/2 ranks reported (no manifest from rank 1)"]
+    assert run_problems({"1": _rank(1)}, None) == ["1/2 ranks reported (no manifest from rank 0)"]
+    assert "unexpected rank 2" in run_problems({**good, "2": _rank(2)}, 2)[0]
     # 0 rows is incomplete even when sampling kept nothing on purpose.
-    p = run_problems({0: _rank(0), 1: _rank(1, rows_written=0)}, 2)
+    p = run_problems({"0": _rank(0), "1": _rank(1, rows_written=0)}, 2)
     assert len(p) == 1 and p[0].startswith("rank 1 wrote 0 rows")
-    bad = {0: _rank(0, finished=False), 1: _rank(1, disabled=True, disabled_reason="10 hook errors", hook_errors=10,
+    bad = {"0": _rank(0, finished=False), "1": _rank(1, disabled=True, disabled_reason="10 hook errors", hook_errors=10,
                                                   rows_dropped=1234, drops={"queue_full": 1234})}
     p = run_problems(bad, 2)
     assert p == ["rank 0 did not finish its trace (finished: false)", "rank 1 disabled tracing (10 hook errors)",
@@ -557,7 +559,13 @@ def test_run_problems_and_summary_line():
     assert summary_line("X", bad, 2, p) == "moetrace: run X INCOMPLETE: " + "; ".join(p)
     # sink errors (a part that could not be written, a manifest write that failed) make a run
     # incomplete for the launcher exactly as they do for the analysis: one rule, tracer.manifest
-    assert run_problems({0: _rank(0), 1: _rank(1, sink_errors=2)}, 2) == ["rank 1 had 2 sink errors"]
+    assert run_problems({"0": _rank(0), "1": _rank(1, sink_errors=2)}, 2) == ["rank 1 had 2 sink errors"]
+    # Pipeline stages and replicas: every TP rank of every stage of every replica the manifests name.
+    staged = {f"replica{d}-pp{p}-tp{t}": _rank(t, pp_rank=p, pp_size=2, replica=d) for d in (0, 1) for p in (0, 1)
+              for t in (0, 1) if (d, p, t) != (1, 1, 0)}
+    assert run_problems(staged, 2) == ["7/8 ranks reported (no manifest from rank replica1-pp1-tp0)"]
+    refused = {"pid": 7, "host": "h", "rank_label": "0", "claimed_by": {"pid": 6, "host": "h"}}
+    assert "pid 7 on h was refused: rank 0 already belonged to pid 6" in run_problems(good, 2, refusals=[refused])[0]
 
 
 def _fake_server(tmp_path):
@@ -569,13 +577,13 @@ def _fake_server(tmp_path):
 def test_launch_server_that_exits_at_once_is_incomplete(tmp_path):
     lines: list[str] = []
     cmd = [sys.executable, "-c", "import sys; print('bad flag', file=sys.stderr); sys.exit(1)", "--tp", "2"]
-    launcher = Launcher(cmd, {"out": str(tmp_path), "run_id": "F"}, sglang_version="0.5.23", echo=lines.append)
+    launcher = Launcher(cmd, {"out": str(tmp_path), "run_id": "F"}, server_flags="split", echo=lines.append)
     assert launcher.run() == 1
     run = json.loads((tmp_path / "F" / "_run.json").read_text())
     assert run["finished"] and run["complete"] is False and run["server_exit_code"] == 1
     assert len(run["problems"]) == 2 and "exited on its own with code 1" in run["problems"][0]
     assert run["stop_signal"] is None and run["stop_reason"] is None
-    assert [(r["tp_rank"], r["present"]) for r in run["ranks"]] == [(0, False), (1, False)]
+    assert [(r["rank_label"], r["present"]) for r in run["ranks"]] == [("0", False), ("1", False)]
     assert lines[-1] == "moetrace: run F INCOMPLETE: " + "; ".join(run["problems"])
 
 
@@ -586,10 +594,10 @@ def test_launch_port_in_use_is_incomplete(make_ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_PORT_IN_USE", "1")
     lines: list[str] = []
     cmd = [sys.executable, str(_fake_server(tmp_path)), "--model-path", "m", "--tp", "2"]
-    launcher = Launcher(cmd, {"out": str(tmp_path), "run_id": "P"}, sglang_version="0.5.23", echo=lines.append)
+    launcher = Launcher(cmd, {"out": str(tmp_path), "run_id": "P"}, server_flags="split", echo=lines.append)
     assert launcher.run() == 1
     ms = read_manifests(str(tmp_path), "P")
-    assert sorted(ms) == [0, 1] and all(m["finished"] and m["rows_written"] == 0 for m in ms.values())
+    assert sorted(ms) == ["0", "1"] and all(m["finished"] and m["rows_written"] == 0 for m in ms.values())
     run = json.loads((tmp_path / "P" / "_run.json").read_text())
     assert run["complete"] is False and run["server_exit_code"] == 1
     assert "exited on its own with code 1" in run["problems"][0]
@@ -605,7 +613,7 @@ def test_launcher_stop_from_another_thread(make_ckpt, tmp_path, monkeypatch):
     out = tmp_path / "traces"
     lines: list[str] = []
     launcher = Launcher([sys.executable, str(_fake_server(tmp_path)), "--model-path", "m", "--tp", "2"], {"out": str(out), "run_id": "S"},
-                        sglang_version="0.5.23", echo=lines.append)
+                        server_flags="split", echo=lines.append)
 
     def traffic():
         deadline = time.monotonic() + 40

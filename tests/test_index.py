@@ -51,30 +51,32 @@ def ckpt(tmp_path_factory):
                                       intermediate=I, dense_layers=1)
 
 
-@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 2)])
-def test_index_rows_equal_independent_shards(ckpt, tp, ep):
-    table = ixb.build_index(ckpt, tp, ep)
+@pytest.mark.parametrize("tp,ep,moe_dp", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (4, 1, 2)])
+def test_index_rows_equal_independent_shards(ckpt, tp, ep, moe_dp):
+    """One row per (moe_tp_rank, layer, expert, tensor) for EVERY expert: with EPLB any
+    rank may hold any expert; the shard depends on moe_tp_rank = tp_rank % (tp/ep/moe_dp)."""
+    table = ixb.build_index(ckpt, tp, ep, moe_dp_size=moe_dp)
     assert table.schema.equals(INDEX_SCHEMA, check_metadata=False)
     rows = table.to_pylist()
     moe_layers = [1, 2]  # dense_layers=1 makes layer 0 dense
-    assert sorted({r["layer"] for r in rows}) == moe_layers
-    per_rank_experts = E // ep
-    assert len(rows) == len(moe_layers) * tp * per_rank_experts * 4
-    by_key = {(r["tp_rank"], r["layer"], r["expert"], r["tensor"]): r for r in rows}
+    moe_tp = tp // ep // moe_dp
+    assert sorted({r["layer"] for r in rows}) == moe_layers and {r["model"] for r in rows} == {"target"}
+    assert len(rows) == len(moe_layers) * moe_tp * E * 4
+    by_key = {(r["moe_tp_rank"], r["layer"], r["expert"], r["tensor"]): r for r in rows}
     for tp_rank in range(tp):
-        ep_rank = tp_rank // (tp // ep)
-        for expert in range(ep_rank * per_rank_experts, (ep_rank + 1) * per_rank_experts):
-            w13 = by_key[(tp_rank, 2, expert, "w13_weight")]
-            want = _w13_reference(2, expert, tp_rank, tp, ep)
+        r = tp_rank % moe_tp
+        for expert in range(E):
+            w13 = by_key[(r, 2, expert, "w13_weight")]
+            want = _w13_reference(2, expert, r, moe_tp, 1)
             assert w13["digest"] == fingerprint(want).digest
             assert w13["shape"] == list(want.shape) and w13["dtype"] == "float8_e4m3fn"
-            assert w13["local_expert"] == expert - ep_rank * per_rank_experts
-            s = by_key[(tp_rank, 1, expert, "w2_weight_scale_inv")]
-            want_s = _w2_scale_reference(1, expert, tp_rank, tp, ep)
+            s = by_key[(r, 1, expert, "w2_weight_scale_inv")]
+            want_s = _w2_scale_reference(1, expert, r, moe_tp, 1)
             assert s["digest"] == fingerprint(want_s).digest and s["dtype"] == "float32"
             assert s["chunk_digests"] == fingerprint(want_s).chunk_digests
     # a stale expert's bytes are another row's digest: the analysis relies on it
     assert by_key[(0, 1, 0, "w2_weight_scale_inv")]["digest"] != by_key[(0, 1, 2, "w2_weight_scale_inv")]["digest"]
+    assert json.loads(table.schema.metadata[ix.INDEX_META_KEY])["moe_tp_size"] == moe_tp
 
 
 def test_layers_option_and_metadata(ckpt, tmp_path):

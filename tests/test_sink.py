@@ -19,7 +19,8 @@ import torch
 
 from moetrace.errors import MoetraceError
 from moetrace.tracer import sink as sink_mod
-from moetrace.tracer.capture import StepCounter, Tracer
+from moetrace.tracer.capture import Tracer
+from moetrace.tracer.steps import LayerOrderSteps, ServerSteps
 from moetrace.tracer.config import TraceConfig
 from moetrace.fingerprint import fingerprint_rows
 from moetrace.tracer.sampling import Sampling
@@ -87,7 +88,7 @@ def test_file_uri_output(tmp_path):
     t = read_trace(f"file://{tmp_path}/t", "uri")
     assert t.num_rows == 2 * E
     assert t.column("transport_position").to_pylist()[:E] == list(range(E))[::-1]
-    assert read_manifests(f"file://{tmp_path}/t", "uri")[0]["finished"]
+    assert read_manifests(f"file://{tmp_path}/t", "uri")["0"]["finished"]
 
 
 def test_full_queue_drops_are_counted_and_never_block(tmp_path, monkeypatch):
@@ -196,7 +197,7 @@ def test_sampling_layers_experts_steps(tmp_path):
     t = read_trace(str(tmp_path), "r1").to_pylist()
     assert {r["step"] for r in t} == {0, 2, 4}
     assert {r["layer"] for r in t} == {1, 3, 4}
-    assert {(r["expert"], r["local_expert"]) for r in t} == {(2, 2), (5, 5)}
+    assert {(r["expert"], r["slot"]) for r in t} == {(2, 2), (5, 5)}
     assert {r["tensor"] for r in t} == {"w2_weight"}
     want = fingerprint_rows(_tensors()["w2_weight"])
     assert all(r["digest"] == want[r["expert"]].digest for r in t)
@@ -215,15 +216,21 @@ def test_first_n_steps_closes_the_trace(tmp_path):
 
 
 def test_step_counter_resident_and_staged():
-    c = StepCounter()
-    assert [c.resident(l) for l in (0, 1, 2)] == [0, 0, 0]
-    assert [c.resident(l) for l in (0, 1, 2)] == [1, 1, 1]
+    c = LayerOrderSteps()
+    assert [c("resident", l) for l in (0, 1, 2)] == [0, 0, 0]
+    assert [c("resident", l) for l in (0, 1, 2)] == [1, 1, 1]
     # KT: the staged load of layer L runs inside layer L's forward, before its hook.
-    seq = [("s", 0), ("r", 0), ("s", 1), ("r", 1), ("r", 2), ("s", 0), ("r", 0), ("r", 1)]
-    got = [c.staged(l) if k == "s" else c.resident(l) for k, l in seq]
-    assert got == [2, 2, 2, 2, 2, 3, 3, 3]
-    one = StepCounter()  # a single MoE layer still counts passes
-    assert [one.resident(5) for _ in range(3)] == [0, 1, 2]
+    seq = [("staged", 0), ("resident", 0), ("staged", 1), ("resident", 1), ("resident", 2), ("staged", 0),
+           ("resident", 0), ("resident", 1)]
+    assert [c(k, l) for k, l in seq] == [2, 2, 2, 2, 2, 3, 3, 3]
+    one = LayerOrderSteps()  # a single MoE layer still counts passes
+    assert [one("resident", 5) for _ in range(3)] == [0, 1, 2]
+
+
+def test_server_steps_follow_the_counter_across_a_reset():
+    counter = iter([7, 7, 8, 9, 0, 0, 1])  # elastic EP recovery resets forward_pass_id on every rank at once
+    s = ServerSteps(lambda: next(counter), "model-runner-pass-id")
+    assert [s("resident", 0) for _ in range(7)] == [7, 7, 8, 9, 10, 10, 11]
 
 
 def test_parse_and_config_errors(tmp_path):

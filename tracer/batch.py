@@ -27,8 +27,8 @@ class CaptureBatch:
     dtype: str
     shape: list[int]  # per-expert shape
     nbytes: int  # per expert
-    experts: list[int]  # global ids, one per row
-    local_experts: list[int]
+    experts: list[int]  # logical ids the server's map gives the slots, one per row
+    slots: list[int]  # slot in the stacked param, per row
     positions: list[int]  # transport_position per row
     time_ns: int
     lanes: np.ndarray | torch.Tensor | None = None  # int32 [rows, chunks, LANES] on the host
@@ -38,6 +38,9 @@ class CaptureBatch:
     online: list[str | None] | None = None
     dumps: list[tuple[int, torch.Tensor, bytes | None, bytes]] = field(default_factory=list)
     # (expert, host copy of the tensor, expected digest, captured digest) of mismatches to dump
+    model: str = "target"  # schema.MODELS
+    copies: list[int] | None = None  # expert_copy per row (None: all 0)
+    slot_count: int | None = None  # slots of the capture event (None: the rows)
 
     @property
     def n_rows(self) -> int:
@@ -57,19 +60,25 @@ def record_batch(b: CaptureBatch, run_id: str, digests: list[bytes], chunks: lis
     cols = {
         "schema_version": [TRACE_SCHEMA_VERSION] * n,
         "run_id": [run_id] * n,
+        "model": [b.model] * n,
         "tp_size": [r.tp_size] * n,
         "tp_rank": [r.tp_rank] * n,
         "ep_size": [r.ep_size] * n,
         "ep_rank": [r.ep_rank] * n,
         "moe_tp_size": [r.moe_tp_size] * n,
         "moe_tp_rank": [r.moe_tp_rank] * n,
+        "pp_size": [r.pp_size] * n,
+        "pp_rank": [r.pp_rank] * n,
+        "replica": [r.replica] * n,
         "step": [b.step] * n,
         "source": [b.source] * n,
         "capture_seq": [b.capture_seq] * n,
         "transport_position": b.positions,
+        "slot": b.slots,
+        "expert_copy": b.copies if b.copies is not None else [0] * n,
+        "slot_count": [b.slot_count if b.slot_count is not None else n] * n,
         "layer": [b.layer] * n,
         "expert": b.experts,
-        "local_expert": b.local_experts,
         "tensor": [b.tensor] * n,
         "copy_position": [copy_position(b.tensor)] * n,
         "dtype": [b.dtype] * n,

@@ -15,7 +15,8 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -26,6 +27,7 @@ from moetrace.schema import TENSOR_NAMES, RankIdentity, dtype_name
 from moetrace.tracer.batch import CaptureBatch
 from moetrace.tracer.sink import TraceSink
 from moetrace.tracer.unchanged import ResidentCache, weights_key
+from moetrace.tracer.steps import step_counter
 
 log = logging.getLogger("moetrace.capture")
 
@@ -41,47 +43,27 @@ def cuda_graph_capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-class StepCounter:
-    """Forward-pass number of this rank, equal on every rank for the same pass.
+@dataclass
+class ModelState:
+    """One model the hooks serve in this process (the target, a draft): its steps."""
 
-    MoE layers run in increasing layer order within a pass, so a layer id that
-    is not above the previous one starts a new pass. A staged (KT) load of layer
-    L happens inside layer L's forward, before its forward hook: the load
-    advances the counter and the hook of the same layer does not advance it again.
-    """
-
-    def __init__(self):
-        self.step = 0
-        self._last: int | None = None
-        self._staged_at: int | None = None
-
-    def _advance(self, layer: int) -> None:
-        if self._last is not None and layer <= self._last:
-            self.step += 1
-        self._last = layer
-
-    def resident(self, layer: int) -> int:
-        if self._staged_at is not None and layer == self._staged_at:
-            self._staged_at = None
-            return self.step
-        self._staged_at = None
-        self._advance(layer)
-        return self.step
-
-    def staged(self, layer: int) -> int:
-        self._advance(layer)
-        self._staged_at = layer
-        return self.step
+    name: str
+    steps: Callable[[str, int], int]
+    origin: int | None = None  # its first step here: sampling counts steps from it
 
 
 class Tracer:
-    """One per rank process: owns the sink, the step counter and error accounting."""
+    """One per rank process: owns the sink, the step counters and error accounting.
 
-    def __init__(self, config: TraceConfig, tp_rank: int, tp_size: int, rank_source: str = "config"):
+    A process is (replica, pp_rank, tp_rank); its folder is ``rank=<rank_label>``."""
+
+    def __init__(self, config: TraceConfig, tp_rank: int, tp_size: int, rank_source: str = "config", *,
+                 pp_rank: int = 0, pp_size: int = 1, replica: int | None = None, rank_sources: dict | None = None):
         self.config = config
         self.sampling = config.sampling
         self.tp_rank, self.tp_size = int(tp_rank), int(tp_size)
-        self.steps = StepCounter()
+        self.pp_rank, self.pp_size, self.replica = int(pp_rank), int(pp_size), replica
+        self.models: dict[str, ModelState] = {}
         self.enabled = True
         self.disabled_reason: str | None = None
         self._lock = threading.RLock()
@@ -94,7 +76,7 @@ class Tracer:
         self.verifier, index_error = None, None
         if config.index:
             try:
-                self.verifier = OnlineIndex(config.index, self.tp_rank)
+                self.verifier = OnlineIndex(config.index)
             except Exception as err:  # trace anyway; the manifest says verification is off
                 index_error = f"online verification off: {err}"
         checkpoint_id = config.checkpoint_id or (self.verifier.checkpoint_id if self.verifier else None)
@@ -103,6 +85,10 @@ class Tracer:
             config.run_id,
             self.tp_rank,
             self.tp_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+            replica=replica,
+            rank_sources=rank_sources,
             config=config.to_dict(),
             checkpoint_id=checkpoint_id,
             rank_source=rank_source,
@@ -122,22 +108,51 @@ class Tracer:
             self.sink.record_error("sink", index_error)
             log.error("moetrace: %s", index_error)
         if self.verifier is not None and not len(self.verifier):
-            self.sink.note(f"index {config.index} has no rows for tp_rank {self.tp_rank}: nothing is verified online")
+            self.sink.note(f"index {config.index} has no rows: nothing is verified online")
         self._sync_verify = self.verifier is not None and config.dump_max_count > 0
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().close("atexit", timeout=config.close_timeout_s))
 
-    # ------------------------------------------------------------ steps
+    # ------------------------------------------------------------ models and steps
 
-    def step_for(self, source: str, layer: int) -> int:
+    def register_model(self, name: str, *, pass_id: Callable[[], int] | None = None, step_source: str = "layer-order",
+                       **facts) -> ModelState:
+        """Declare a model the hooks serve (first declaration wins; `facts` go to the
+        manifest's ``models`` entry: architecture, detected_by, layers)."""
         with self._lock:
-            step = self.steps.staged(layer) if source == "staged" else self.steps.resident(layer)
-        self.sink.set_steps_seen(step + 1)
-        if self.enabled and self.sampling.past_last_step(step):
-            self.enabled = False
-            self.disabled_reason = f"first_n_steps={self.sampling.first_n_steps} reached"
-            self.sink.close("sampling-complete", wait=False)
+            state = self.models.get(name)
+            if state is None:
+                state = self.models[name] = ModelState(name, step_counter(pass_id, step_source))
+                self.sink.set_model(name, step_source=getattr(state.steps, "source", step_source), **facts)
+            elif facts.get("layers"):
+                self.sink.add_model_layers(name, facts["layers"])
+            return state
+
+    def _model(self, name: str) -> ModelState:
+        state = self.models.get(name)
+        return state if state is not None else self.register_model(name)
+
+    def step_for(self, source: str, layer: int, model: str = "target") -> int:
+        """This capture's step: the model's pass number (the server's own counter when
+        it has one); steps are equal on every rank for the same pass."""
+        with self._lock:
+            state = self._model(model)
+            step = state.steps(source, layer)
+            if state.origin is None:
+                state.origin = step
+            rel = step - state.origin
+        if model == "target":
+            self.sink.set_steps_seen(rel + 1)
+            if self.enabled and self.sampling.past_last_step(rel):
+                self.enabled = False
+                self.disabled_reason = f"first_n_steps={self.sampling.first_n_steps} reached"
+                self.sink.close("sampling-complete", wait=False)
         return step
+
+    def wants(self, model: str, source: str, step: int, layer: int) -> bool:
+        """Sampling, with steps counted from the model's first pass seen here."""
+        origin = self._model(model).origin
+        return self.sampling.want(source, step - (origin or 0), layer)
 
     # ------------------------------------------------------------ capture
 
@@ -149,35 +164,43 @@ class Tracer:
         source: str,
         step: int,
         experts: Sequence[int],
-        local_experts: Sequence[int] | None = None,
+        slots: Sequence[int] | None = None,
         positions: Sequence[int] | None = None,
         ranks: RankIdentity | None = None,
+        model: str = "target",
+        copies: Sequence[int] | None = None,
+        slot_count: int | None = None,
         weights_epoch: int | None = None,
     ) -> int:
         """Queue one capture event; returns the rows submitted (0 when sampled out).
+        experts[i] is the logical expert the server's map says slots[i] holds, copies[i]
+        which physical copy of it that slot is; slot_count: the slots of the event.
 
         weights_epoch: for resident captures, the count of the server's
         weight-update events (hooks/): a parameter unchanged since its last
-        fingerprint under the same epoch reuses it (tracer.unchanged). None:
-        always fingerprint (staged loads, servers without such events)."""
+        fingerprint under the same epoch and slot map reuses it (tracer.unchanged).
+        None: always fingerprint (staged loads, servers without such events)."""
         with self._event_lock:
-            if not self.enabled or not self.sampling.want(source, step, layer):
+            if not self.enabled or not self.wants(model, source, step, layer):
                 return 0
-            return self._capture(tensors, layer, source, step, experts, local_experts, positions, ranks,
-                                 weights_epoch if source == "resident" else None)
+            return self._capture(tensors, layer, source, step, experts, slots, positions, ranks, model, copies,
+                                 slot_count, weights_epoch if source == "resident" else None)
 
-    def _capture(self, tensors, layer, source, step, experts, local_experts, positions, ranks, epoch) -> int:
+    def _capture(self, tensors, layer, source, step, experts, slots, positions, ranks, model, copies, slot_count,
+                 epoch) -> int:
         experts = [int(e) for e in experts]
-        local_experts = list(range(len(experts))) if local_experts is None else [int(e) for e in local_experts]
-        positions = list(local_experts) if positions is None else [int(o) for o in positions]
+        slots = list(range(len(experts))) if slots is None else [int(e) for e in slots]
+        positions = list(slots) if positions is None else [int(o) for o in positions]
+        copies = [0] * len(experts) if copies is None else [int(c) for c in copies]
+        slot_count = len(experts) if slot_count is None else int(slot_count)
         keep = self.sampling.expert_positions(experts)
         if keep is not None:
             if not keep:
                 return 0
-            experts = [experts[i] for i in keep]
-            local_experts = [local_experts[i] for i in keep]
-            positions = [positions[i] for i in keep]
+            experts, slots = [experts[i] for i in keep], [slots[i] for i in keep]
+            positions, copies = [positions[i] for i in keep], [copies[i] for i in keep]
         ranks = ranks or RankIdentity(self.tp_size, self.tp_rank, 1, 0, self.tp_size, self.tp_rank)
+        ranks = replace(ranks, pp_size=self.pp_size, pp_rank=self.pp_rank, replica=self.replica or 0)
         if not self._ranks_reported:
             self._ranks_reported = True
             self.sink.update(ep_size=ranks.ep_size, ep_rank=ranks.ep_rank,
@@ -190,12 +213,13 @@ class Tracer:
         for name, t in tensors.items():
             if name not in TENSOR_NAMES or not self.sampling.want_tensor(name):
                 continue
-            key = weights_key(t, experts, epoch)
-            fps = self.resident.lookup(int(layer), name, key)
+            key = weights_key(t, (*slots, -1, *experts), epoch)  # the slot map: which slots, holding which experts
+            where = (model, int(layer))  # a draft's layer 0 is not the target's
+            fps = self.resident.lookup(where, name, key)
             data = t.detach()
             if fps is None:  # not provably unchanged: fingerprint it
-                if keep is not None and len(keep) != data.shape[0]:
-                    data = data.index_select(0, torch.as_tensor(keep, device=data.device))
+                if len(slots) != data.shape[0] or slots != list(range(data.shape[0])):
+                    data = data.index_select(0, torch.as_tensor(slots, device=data.device))
                 rows = row_bytes(data)
                 nbytes, (lanes, ready) = int(rows.shape[1]), self._lanes(rows)
                 self.fingerprinted += 1
@@ -205,12 +229,12 @@ class Tracer:
             batch = CaptureBatch(
                 ranks=ranks, step=step, source=source, capture_seq=seq, layer=int(layer), tensor=name,
                 dtype=dtype_name(data.dtype), shape=list(data.shape[1:]), nbytes=nbytes,
-                experts=experts, local_experts=local_experts, positions=positions, time_ns=t_ns,
-                lanes=lanes, ready=ready, fps=fps,
+                experts=experts, slots=slots, positions=positions, time_ns=t_ns,
+                lanes=lanes, ready=ready, fps=fps, model=model, copies=copies, slot_count=slot_count,
             )
             if fps is None:
                 if source == "resident":
-                    batch.on_folded = self.resident.remember(int(layer), name, key)
+                    batch.on_folded = self.resident.remember(where, name, key)
                 if self._sync_verify:
                     self._verify_now(batch, data)
             if self.sink.submit(batch):
@@ -238,10 +262,10 @@ class Tracer:
         b.fps, b.lanes, b.ready = fps, None, None
         if b.on_folded is not None:
             b.on_folded(fps)
-        b.online = self.verifier.verdicts(b.layer, b.experts, b.tensor, [f.digest for f in fps])
+        b.online = self.verifier.batch_verdicts(b, [f.digest for f in fps])
         for i, v in enumerate(b.online):
             if v == MISMATCH and self.sink.reserve_dump(b.nbytes):
-                want = self.verifier.expected(b.layer, b.experts[i], b.tensor)
+                want = self.verifier.expected(b.model, b.ranks.moe_tp_rank, b.layer, b.experts[i], b.tensor)
                 b.dumps.append((b.experts[i], data[i].to("cpu", copy=True), want, fps[i].digest))
 
     # ------------------------------------------------------------ errors, lifecycle
@@ -268,7 +292,7 @@ class Tracer:
         self.enabled = False
         self.disabled_reason = reason
         self.sink.update(disabled=True, disabled_reason=reason)
-        log.warning("moetrace: tracing disabled on rank %d: %s", self.tp_rank, reason)
+        log.warning("moetrace: tracing disabled on rank %s: %s", self.sink.label, reason)
         self.sink.close(f"disabled: {reason}", wait=False)
 
     def _on_control(self) -> None:

@@ -53,6 +53,9 @@ class TraceConfig:
     max_error_messages: int = 5
     tp_rank: int | None = None  # override rank detection
     tp_size: int | None = None
+    pp_rank: int | None = None  # override pipeline-stage detection
+    pp_size: int | None = None
+    replica: int | None = None  # data-parallel replica id, when detection cannot see it
     kt: object = "auto"  # install the KT SharedFullContext.load wrapper: auto | true | false
     control_file: str | None = None  # a local file whose appearance asks every rank to close
     cpu_threads: bool = True  # fingerprint CPU tensors on all cores
@@ -93,6 +96,14 @@ class TraceConfig:
                 raise MoetraceError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.max_hook_errors is not None and int(self.max_hook_errors) < 1:
             raise MoetraceError(f"max_hook_errors: must be >= 1 or null, got {self.max_hook_errors}")
+        for name in ("tp_rank", "pp_rank", "replica"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise MoetraceError(f"{name}: must be an integer >= 0 or null, got {v!r}")
+        for name in ("tp_size", "pp_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise MoetraceError(f"{name}: must be an integer >= 1 or null, got {v!r}")
         if self.flush_interval_s <= 0:
             raise MoetraceError(f"flush_interval_s: must be > 0, got {self.flush_interval_s}")
         if self.chunk_digests == "mismatch" and not self.index:

@@ -18,7 +18,7 @@ from importlib import metadata
 
 from moetrace import __version__, storage
 from moetrace.fingerprint import CHUNK_BYTES, FP_VERSION
-from moetrace.schema import MANIFEST_SCHEMA_VERSION, TRACE_SCHEMA_VERSION
+from moetrace.schema import MANIFEST_SCHEMA_VERSION, TRACE_SCHEMA_VERSION, parse_rank_label, rank_label
 
 MANIFEST_NAME = "_manifest.json"
 RUN_MANIFEST_NAME = "_run.json"
@@ -53,12 +53,13 @@ def versions() -> dict:
     }
 
 
-def rank_dir_name(tp_rank: int) -> str:
-    return f"rank={int(tp_rank)}"
+def rank_dir_name(tp_rank: int, pp_rank: int = 0, pp_size: int = 1, replica: int | None = None) -> str:
+    return f"rank={rank_label(tp_rank, pp_rank, pp_size, replica)}"
 
 
 def new_rank_manifest(run_id: str, tp_rank: int, tp_size: int, config: dict, checkpoint_id: str | None,
-                      rank_source: str) -> dict:
+                      rank_source: str, *, pp_rank: int = 0, pp_size: int = 1, replica: int | None = None,
+                      rank_sources: dict | None = None) -> dict:
     """The manifest a rank writes when its sink opens (finished: false)."""
     return {
         "kind": "rank",
@@ -74,6 +75,14 @@ def new_rank_manifest(run_id: str, tp_rank: int, tp_size: int, config: dict, che
         "tp_size": int(tp_size),
         "tp_rank": int(tp_rank),
         "rank_source": rank_source,
+        "pp_size": int(pp_size),
+        "pp_rank": int(pp_rank),
+        "replica": None if replica is None else int(replica),
+        "rank_label": rank_label(tp_rank, pp_rank, pp_size, replica),
+        "rank_sources": dict(rank_sources or {}),
+        # Per model the hooks serve ("target", "draft"): how it was identified, its hooked
+        # MoE layers, where its steps come from, and how its slots were mapped.
+        "models": {},
         # Filled from the first captured module (null until then).
         "ep_size": None,
         "ep_rank": None,
@@ -118,7 +127,9 @@ def new_run_manifest(run_id: str, out: str, **fields) -> dict:
         "moetrace": __version__,
         "sglang_version": None,
         "sglang_version_source": None,
+        "server_distribution": None,  # {"name": "sglang" | "sglang-kt", "version"} providing `sglang`
         "cuda_graph_flags": [],
+        "cuda_graph_flags_source": None,  # option | distribution | help | default | kept
         "user_command": [],
         "command": [],
         "hook_spec": [],
@@ -186,41 +197,47 @@ def server_problem(exit_code: int | None, stop_requested: bool) -> str | None:
     return f"the server exited on its own with {how} (start-up failure or crash; see its log)"
 
 
-def run_problems(manifests: dict[int, dict], expected_ranks: int | None, *, server_started: bool = True,
-                 server_exit_code: int | None = None, stop_requested: bool = False) -> list[str]:
+def run_problems(manifests: dict[str, dict], expected_ranks: int | None, *, server_started: bool = True,
+                 server_exit_code: int | None = None, stop_requested: bool = False,
+                 refusals: list[dict] = ()) -> list[str]:
     """Why a run is not a whole trace, one sentence per reason (empty: whole).
-    ``expected_ranks``: the rank count the server was started with (None: the
-    tp_size the manifests agree on)."""
+    ``manifests``: {rank label: manifest} (read_manifests). ``expected_ranks``: the TP
+    rank count the server was started with (None: the tp_size the manifests agree on);
+    every pipeline stage and replica the manifests name must have all of them.
+    ``refusals``: tracer.claim records of processes refused a folder."""
+    from moetrace.tracer.claim import refusal_problem
+
     problems: list[str] = []
     if not server_started:
         problems.append("the server did not start")
     server = server_problem(server_exit_code, stop_requested)
     if server:
         problems.append(server)
+    problems += [refusal_problem(r) for r in refusals]
     if not manifests:
         problems.append("no rank wrote a manifest (the hooks never started: check the server log for 'moetrace')")
         return problems
-    n = expected_rank_count(manifests, expected_ranks)
-    if n is not None:
-        missing = [r for r in range(n) if r not in manifests]
-        extra = [r for r in manifests if r >= n]
+    want = expected_labels(manifests, expected_ranks)
+    if want is not None:
+        missing = [r for r in want if r not in manifests]
+        extra = [r for r in manifests if r not in want]
         if missing:
-            problems.append(f"{n - len(missing)}/{n} ranks reported (no manifest from rank {_ids(missing)})")
+            problems.append(f"{len(want) - len(missing)}/{len(want)} ranks reported (no manifest from rank {_ids(missing)})")
         if extra:
-            problems.append(f"manifests from unexpected rank {_ids(extra)} (expected ranks 0-{n - 1})")
+            problems.append(f"manifests from unexpected rank {_ids(extra)} (expected ranks {_ids(want)})")
     for r, m in manifests.items():
         problems += [f"rank {r} {p}" for p in rank_problems(m)]
     return problems
 
 
-def common_value(manifests: dict[int, dict], key: str):
+def common_value(manifests: dict[str, dict], key: str):
     """The value of `key` every manifest that has it agrees on, else None."""
     vals = {m.get(key) for m in manifests.values()} - {None}
     return next(iter(vals)) if len(vals) == 1 else None
 
 
-def expected_rank_count(manifests: dict[int, dict], expected_ranks: int | None) -> int | None:
-    """The rank count to expect: the server command's --tp, else the tp_size the
+def expected_rank_count(manifests: dict[str, dict], expected_ranks: int | None) -> int | None:
+    """The TP rank count to expect: the server command's --tp, else the tp_size the
     manifests agree on, else unknown."""
     if expected_ranks is not None:
         return expected_ranks
@@ -228,21 +245,44 @@ def expected_rank_count(manifests: dict[int, dict], expected_ranks: int | None) 
     return tp if isinstance(tp, int) and tp > 0 else None
 
 
+def expected_labels(manifests: dict[str, dict], expected_ranks: int | None) -> list[str] | None:
+    """Every rank label the run must have: each TP rank of each pipeline stage of each
+    replica the manifests name (None when the TP size is unknown)."""
+    n = expected_rank_count(manifests, expected_ranks)
+    if n is None:
+        return None
+    pp = common_value(manifests, "pp_size")
+    pp = pp if isinstance(pp, int) and pp > 0 else 1
+    replicas = sorted({m.get("replica") for m in manifests.values()}, key=lambda r: -1 if r is None else r)
+    return [rank_label(t, p, pp, r) for r in replicas for p in range(pp) for t in range(n)]
+
+
+def label_key(label: str) -> tuple[int, int, int]:
+    """A rank label's sort key: (replica, pp_rank, tp_rank), absent parts 0."""
+    parsed = parse_rank_label(str(label))
+    if parsed is None:
+        return (1 << 30, 0, 0)
+    replica, pp, tp = parsed
+    return (replica or 0, pp or 0, tp)
+
+
 def _ids(ranks) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
-def read_manifests(out: str, run_id: str) -> dict[int, dict]:
-    """{tp_rank: manifest} of every rank folder of a run that has one."""
+def read_manifests(out: str, run_id: str) -> dict[str, dict]:
+    """{rank label: manifest} of every rank folder of a run that has one, in rank order."""
     fs, base = storage.open_fs(out)
     run_dir = storage.join(base, run_id)
-    found: dict[int, dict] = {}
+    found: dict[str, dict] = {}
     for info in storage.list_dir(fs, run_dir):
-        if info.base_name.startswith("rank="):
-            path = storage.join(info.path, MANIFEST_NAME)
-            if storage.exists(fs, path):
-                try:
-                    found[int(info.base_name[5:])] = storage.read_json(fs, path)
-                except (ValueError, OSError):
-                    continue
-    return dict(sorted(found.items()))
+        label = info.base_name[5:] if info.base_name.startswith("rank=") else None
+        if label is None or parse_rank_label(label) is None:
+            continue
+        path = storage.join(info.path, MANIFEST_NAME)
+        if storage.exists(fs, path):
+            try:
+                found[label] = storage.read_json(fs, path)
+            except (ValueError, OSError):
+                continue
+    return dict(sorted(found.items(), key=lambda kv: label_key(kv[0])))

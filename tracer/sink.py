@@ -5,9 +5,13 @@ already on the host, or a CUDA event that says when they will be). A background
 thread folds lanes into fingerprints (``fingerprint.finalize``), checks them
 against the index when online verification is on, and writes
 
-    OUT/<run_id>/rank=<r>/part-NNNNN.parquet   (TRACE_SCHEMA, one row per tensor)
-    OUT/<run_id>/rank=<r>/_manifest.json        (rewritten after every part)
-    OUT/<run_id>/rank=<r>/dumps/*.safetensors  (mismatching tensors, capped)
+    OUT/<run_id>/rank=<label>/part-NNNNN.parquet   (TRACE_SCHEMA, one row per tensor)
+    OUT/<run_id>/rank=<label>/_manifest.json        (rewritten after every part)
+    OUT/<run_id>/rank=<label>/dumps/*.safetensors  (mismatching tensors, capped)
+
+<label> is schema.rank_label: the TP rank, or e.g. "pp1-tp3" / "replica2-tp3" when
+the server has pipeline stages or data-parallel replicas; the folder is claimed for
+this process first (tracer.claim: a second process with the same label is refused).
 
 Parts and manifests are written under a temporary dot-name and moved into
 place. The queue is bounded in batches and bytes: when full, ``submit`` drops
@@ -33,9 +37,10 @@ from moetrace import storage
 from moetrace.fingerprint import finalize
 from moetrace.tracer.batch import CaptureBatch, record_batch
 from moetrace.tracer.dumps import write_dump
+from moetrace.tracer.claim import claim_rank_dir
 from moetrace.tracer.manifest import MANIFEST_NAME, new_rank_manifest, rank_dir_name, utc_now
 from moetrace.tracer.online import OnlineIndex
-from moetrace.schema import TRACE_SCHEMA
+from moetrace.schema import TRACE_SCHEMA, rank_label
 
 log = logging.getLogger("moetrace.sink")
 
@@ -57,6 +62,10 @@ class TraceSink:
         tp_rank: int,
         tp_size: int,
         *,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        replica: int | None = None,
+        rank_sources: dict | None = None,
         config: dict | None = None,
         checkpoint_id: str | None = None,
         rank_source: str = "config",
@@ -74,11 +83,15 @@ class TraceSink:
     ):
         self.fs, base = storage.open_fs(out)
         self.run_dir = storage.join(base, run_id)
-        self.rank_dir = storage.join(self.run_dir, rank_dir_name(tp_rank))
+        self.label = rank_label(tp_rank, pp_rank, pp_size, replica)
+        self.rank_dir = storage.join(self.run_dir, rank_dir_name(tp_rank, pp_rank, pp_size, replica))
         try:
             storage.make_dirs(self.fs, self.rank_dir)
         except Exception as err:
             raise MoetraceError(f"output {out}: cannot create {self.rank_dir} ({err})") from None
+        self._m = new_rank_manifest(run_id, tp_rank, tp_size, config or {}, checkpoint_id, rank_source,
+                                    pp_rank=pp_rank, pp_size=pp_size, replica=replica, rank_sources=rank_sources)
+        claim_rank_dir(self.fs, self.run_dir, self.rank_dir, self.label, run_id, self._m["started_at"])
         self.rows_per_part = int(rows_per_part)
         self.flush_interval_s = float(flush_interval_s)
         self.chunk_digests = chunk_digests
@@ -89,7 +102,6 @@ class TraceSink:
         self.control_file = control_file
         self._on_control = on_control
         self._lock = threading.Lock()
-        self._m = new_rank_manifest(run_id, tp_rank, tp_size, config or {}, checkpoint_id, rank_source)
         self._q: queue.Queue = queue.Queue(maxsize=int(queue_size))
         self._q_bytes = 0
         self._q_max_bytes = int(queue_max_bytes)
@@ -107,7 +119,7 @@ class TraceSink:
             self._write_manifest()  # fails early when the output is unwritable
         except Exception as err:
             raise MoetraceError(f"output {out}: cannot write {self.rank_dir}/{MANIFEST_NAME} ({err})") from None
-        self._thread = threading.Thread(target=self._run, name=f"moetrace-sink-r{tp_rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"moetrace-sink-{self.label}", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ caller side
@@ -168,6 +180,27 @@ class TraceSink:
         with self._lock:
             self._changes += 1
             self._m.update(fields)
+
+    def set_model(self, name: str, **facts) -> None:
+        """The manifest's ``models`` entry of a model the hooks serve (target, draft)."""
+        with self._lock:
+            self._changes += 1
+            self._m["models"][name] = {"architecture": None, "detected_by": None, "layers": None,
+                                       "step_source": None, "slot_maps": {}, **facts}
+
+    def add_model_layers(self, name: str, layers) -> None:
+        with self._lock:
+            entry = self._m["models"].get(name)
+            if entry is not None:
+                self._changes += 1
+                entry["layers"] = sorted(set(entry.get("layers") or []) | {int(x) for x in layers})
+
+    def count_slot_map(self, model: str, how: str) -> None:
+        """One more capture whose slots were mapped by `how` (hooks.slots sources)."""
+        with self._lock:
+            entry = self._m["models"].setdefault(model, {"slot_maps": {}})
+            maps = entry.setdefault("slot_maps", {})
+            maps[how] = maps.get(how, 0) + 1
 
     def set_steps_seen(self, n: int) -> None:
         with self._lock:
@@ -268,7 +301,7 @@ class TraceSink:
             digests = [f.digest for f in fps]
             online = b.online
             if online is None and self.verifier is not None:
-                online = self.verifier.verdicts(b.layer, b.experts, b.tensor, digests)
+                online = self.verifier.batch_verdicts(b, digests)
             if online is None:
                 online = [None] * b.n_rows
             if self.chunk_digests == "all":
@@ -376,4 +409,5 @@ class TraceSink:
             snap["online"] = dict(self._m["online"])
             snap["dumps"] = {**self._m["dumps"], "files": list(self._m["dumps"]["files"])}
             snap["notes"] = list(self._m["notes"])
+            snap["models"] = {k: {**v, "slot_maps": dict(v.get("slot_maps") or {})} for k, v in self._m["models"].items()}
         storage.write_json(self.fs, storage.join(self.rank_dir, MANIFEST_NAME), snap)

@@ -48,7 +48,8 @@ def weights_key(t: torch.Tensor, experts: Sequence[int], epoch: int | None) -> W
 
 
 class ResidentCache:
-    """(layer, tensor) -> (key, fingerprints) of the last resident capture that was hashed.
+    """(layer, tensor) -> (key, fingerprints) of the last resident capture that was hashed; the
+    layer may be (model, layer) so that a draft model's layer 0 is not the target's.
 
     Entries are filled by the sink's writer thread once it has folded a batch
     (``remember`` returns that callback), so until then a capture hashes again.
@@ -57,11 +58,11 @@ class ResidentCache:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._entries: dict[tuple[int, str], tuple[WeightsKey, list[Fingerprint]]] = {}
+        self._entries: dict[tuple[object, str], tuple[WeightsKey, list[Fingerprint]]] = {}
         self.hashed = 0
         self.reused = 0
 
-    def lookup(self, layer: int, tensor: str, key: WeightsKey | None) -> list[Fingerprint] | None:
+    def lookup(self, layer, tensor: str, key: WeightsKey | None) -> list[Fingerprint] | None:
         if key is None:
             return None
         with self._lock:
@@ -71,7 +72,7 @@ class ResidentCache:
             self.reused += 1
             return entry[1]
 
-    def remember(self, layer: int, tensor: str, key: WeightsKey | None) -> Callable[[list[Fingerprint]], None] | None:
+    def remember(self, layer, tensor: str, key: WeightsKey | None) -> Callable[[list[Fingerprint]], None] | None:
         with self._lock:
             self.hashed += 1
         if key is None:

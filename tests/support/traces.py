@@ -141,8 +141,8 @@ def capture_load(sink: TraceSink, model: CheckpointModel, step: int, rank: int, 
         sink.submit(CaptureBatch(
             ranks=ranks, step=step, source=source, capture_seq=capture_seq, layer=layer, tensor=t,
             dtype=dtype_name(want.dtype), shape=list(want.shape), nbytes=want.numel() * want.element_size(),
-            experts=[ids[e] for _, e, _ in rows], local_experts=[e for _, e, _ in rows], positions=[p for p, _, _ in rows],
-            time_ns=0, fps=fps, online=online,
+            experts=[ids[e] for _, e, _ in rows], slots=[e for _, e, _ in rows], positions=[p for p, _, _ in rows],
+            time_ns=0, fps=fps, online=online, slot_count=len(experts),
         ))
 
 
@@ -163,7 +163,7 @@ def write_run_json(out: str, run_id: str, model: CheckpointModel, ranks: list[in
     storage.make_dirs(fs, storage.join(base, run_id))
     doc = new_run_manifest(run_id, out, tp_size=model.tp_size, expected_ranks=model.tp_size,
                            checkpoint_id=model.checkpoint_id, finished=True, complete=True,
-                           ranks=[{"tp_rank": r} for r in ranks], **fields)
+                           ranks=[{"rank_label": str(r)} for r in ranks], **fields)
     storage.write_json(fs, storage.join(base, run_id, RUN_MANIFEST_NAME), doc)
 
 

@@ -1,0 +1,80 @@
+"""Which SGLang the launch command starts, and its flags that keep hooks firing.
+
+Hooks run only on the eager forward path, so capturing every step turns CUDA
+graphs off. Upstream ``sglang`` 0.5.23 has ``--disable-prefill-cuda-graph`` and
+``--disable-decode-cuda-graph`` (``--disable-cuda-graph`` survives there as a
+deprecated alias, ``server_args.py``); the KT fork, distribution ``sglang-kt``, has
+only ``--disable-cuda-graph``. Both install the import package ``sglang``. The
+distribution name decides for the fork; otherwise the server's own ``--help``;
+never a version number.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from importlib import metadata
+from typing import Sequence
+
+SPLIT_CUDA_GRAPH_FLAGS = ("--disable-prefill-cuda-graph", "--disable-decode-cuda-graph")
+LEGACY_CUDA_GRAPH_FLAGS = ("--disable-cuda-graph",)
+SERVER_DISTRIBUTIONS = ("sglang-kt", "sglang")  # both provide the import package `sglang`
+FLAG_CHOICES = ("auto", "split", "legacy")
+HELP_TIMEOUT_S = 180.0  # a real server imports torch and its kernels before printing help
+
+
+def server_distribution(path: Sequence[str] | None = None) -> tuple[str, str] | None:
+    """(distribution name, version) of the installed package providing ``sglang`` (in
+    `path`, else on sys.path); the fork first when both are there."""
+    found = {}
+    for dist in metadata.distributions(**({"path": list(path)} if path is not None else {})):
+        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+        if name in SERVER_DISTRIBUTIONS and name not in found:
+            top = (dist.read_text("top_level.txt") or "sglang").split()
+            if "sglang" in top:
+                found[name] = dist.version
+    for name in SERVER_DISTRIBUTIONS:
+        if name in found:
+            return name, found[name]
+    return None
+
+
+def flags_from_help(text: str) -> tuple[str, ...] | None:
+    """The CUDA-graph flags a server's --help lists (the split ones when it has them)."""
+    if all(f in text for f in SPLIT_CUDA_GRAPH_FLAGS):
+        return SPLIT_CUDA_GRAPH_FLAGS
+    words = set(text.replace(",", " ").replace("=", " ").split())
+    if LEGACY_CUDA_GRAPH_FLAGS[0] in words:
+        return LEGACY_CUDA_GRAPH_FLAGS
+    return None
+
+
+def probe_help(cmd: Sequence[str], timeout_s: float = HELP_TIMEOUT_S) -> str | None:
+    """The server command's ``--help`` output, or None when it fails or does not answer."""
+    try:
+        done = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL, env=dict(os.environ))
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (done.stdout or "") + (done.stderr or "") if done.returncode == 0 else None
+
+
+def cuda_graph_flags_for(cmd: Sequence[str], choice: str = "auto", distribution: tuple[str, str] | None = None,
+                         help_text: str | None = None) -> tuple[tuple[str, ...], str]:
+    """(flags, how they were chosen) for the server command `cmd`.
+
+    choice "split" / "legacy" forces a spelling ("option"). "auto": the fork's
+    distribution has only the legacy flag ("distribution"); else the flags the
+    command's --help lists ("help"); else the legacy flag, which every upstream
+    release accepts ("default")."""
+    if choice == "split":
+        return SPLIT_CUDA_GRAPH_FLAGS, "option"
+    if choice == "legacy":
+        return LEGACY_CUDA_GRAPH_FLAGS, "option"
+    if distribution is not None and distribution[0] == "sglang-kt":
+        return LEGACY_CUDA_GRAPH_FLAGS, "distribution"
+    text = help_text if help_text is not None else probe_help(cmd)
+    flags = flags_from_help(text) if text else None
+    if flags is not None:
+        return flags, "help"
+    return LEGACY_CUDA_GRAPH_FLAGS, "default"

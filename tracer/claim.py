@@ -1,0 +1,91 @@
+"""One process per rank folder: an exclusive claim, and a loud refusal for the second.
+
+Two server processes with the same identity (two data-parallel replicas whose
+replica id went undetected, a restart reusing a run id) would overwrite each
+other's parts and manifest. The first process to create ``rank=<label>/_claim.json``
+(O_EXCL on local disks; check-then-write elsewhere, which object stores cannot do
+better) owns the folder. Any other process is refused: it traces nothing and leaves
+``OUT/<run_id>/_refused-<host>-<pid>.json`` so that the run reads as incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pyarrow.fs as pafs
+
+from moetrace import storage
+from moetrace.errors import MoetraceError
+
+CLAIM_NAME = "_claim.json"
+REFUSED_PREFIX = "_refused-"
+
+
+def _local_path(fs: pafs.FileSystem, path: str) -> str | None:
+    return path if isinstance(fs, pafs.LocalFileSystem) else None
+
+
+def _create_exclusive(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    """Create `path` holding `data`; FileExistsError if it exists."""
+    local = _local_path(fs, path)
+    if local is not None:
+        fd = os.open(local, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return
+    if storage.exists(fs, path):
+        raise FileExistsError(path)
+    storage.write_atomic(fs, path, data)
+
+
+def claim_rank_dir(fs: pafs.FileSystem, run_dir: str, rank_dir: str, label: str, run_id: str, started_at: str) -> None:
+    """Claim the rank folder for this process, or refuse (MoetraceError) after leaving a
+    refusal record in the run folder. The same process may claim its folder again."""
+    me = {"run_id": run_id, "rank_label": label, "host": socket.gethostname(), "pid": os.getpid(),
+          "started_at": started_at}
+    path = storage.join(rank_dir, CLAIM_NAME)
+    try:
+        _create_exclusive(fs, path, (json.dumps(me, indent=2) + "\n").encode())
+        return
+    except FileExistsError:
+        pass
+    try:
+        owner = storage.read_json(fs, path)
+    except Exception:
+        owner = {}
+    if owner.get("host") == me["host"] and owner.get("pid") == me["pid"]:
+        return
+    refusal = {**me, "claimed_by": owner}
+    try:
+        storage.write_json(fs, storage.join(run_dir, f"{REFUSED_PREFIX}{me['host']}-{me['pid']}.json"), refusal)
+    except Exception:
+        pass  # the error below still says it
+    raise MoetraceError(
+        f"trace folder {rank_dir} already belongs to pid {owner.get('pid', '?')} on host {owner.get('host', '?')} "
+        f"(since {owner.get('started_at', '?')}): two processes identify as rank {label}; this one (pid {me['pid']}) "
+        "is not traced. Data-parallel replicas need distinct replica ids (SGLANG_DP_RANK or hook config 'replica'), "
+        "a restarted server a new run id"
+    )
+
+
+def read_refusals(fs: pafs.FileSystem, run_dir: str) -> list[dict]:
+    """The refusal records of a run folder (each: the refused process and who owns its folder)."""
+    out = []
+    for info in storage.list_dir(fs, run_dir):
+        if info.base_name.startswith(REFUSED_PREFIX) and info.base_name.endswith(".json"):
+            try:
+                doc = storage.read_json(fs, info.path)
+            except Exception:
+                doc = {}
+            out.append(doc if isinstance(doc, dict) else {})
+    return out
+
+
+def refusal_problem(doc: dict) -> str:
+    """One phrase for a refusal record, for the completeness rule."""
+    owner = doc.get("claimed_by") or {}
+    return (f"process pid {doc.get('pid', '?')} on {doc.get('host', '?')} was refused: rank {doc.get('rank_label', '?')} "
+            f"already belonged to pid {owner.get('pid', '?')} on {owner.get('host', '?')} (two processes with one "
+            "identity; that process traced nothing)")
