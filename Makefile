@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 SGLANG_VERSION ?= 0.5.23
+SGLANG_KT_VERSION ?= 0.7.2
+# The KT fork installs the import package `sglang` too: kept in a side folder.
+SGLANG_KT_DIR := $(VENV)/side/sglang-kt
 
 .PHONY: demo test venv clean
 
@@ -14,6 +17,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q -e '.[test]'
 	# SGLang without its GPU dependencies: tests run its own hook manager.
 	$(PIP) install -q --no-deps sglang==$(SGLANG_VERSION)
+	# The fork beside it (tests run its dynamic expert update; tests/support/sglang_parts.py).
+	$(PIP) install -q --no-deps --target $(SGLANG_KT_DIR) sglang-kt==$(SGLANG_KT_VERSION)
 	touch $@
 
 venv: $(VENV)/.installed

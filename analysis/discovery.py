@@ -24,8 +24,7 @@ from moetrace import storage
 from moetrace.errors import MoetraceError
 from moetrace.fingerprint import FP_VERSION
 from moetrace.schema import MANIFEST_SCHEMA_VERSION, parse_ids, parse_rank_label
-from moetrace.tracer.claim import read_refusals
-from moetrace.tracer.manifest import MANIFEST_NAME, RUN_MANIFEST_NAME, expected_labels, label_key
+from moetrace.tracer.manifest import MANIFEST_NAME, RUN_MANIFEST_NAME, expected_labels, label_key, read_refusals
 
 RANK_DIR = re.compile(r"^rank=([0-9a-z-]+)$")
 

@@ -25,8 +25,7 @@ from moetrace.checkpoints.index_build import cached_index
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.errors import MoetraceError
 from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES, format_ids, parse_rank_label
-from moetrace.tracer.claim import refusal_problem
-from moetrace.tracer.manifest import label_key, rank_problems, server_problem
+from moetrace.tracer.manifest import label_key, rank_problems, refusal_problem, server_problem
 
 MAX_ROWS_DEFAULT = 1000  # divergent rows listed in the JSON document
 MAX_MISSING_LISTED = 64  # missing (expert, tensor) entries listed per load

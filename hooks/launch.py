@@ -31,7 +31,6 @@ from moetrace.errors import MoetraceError
 from moetrace.hooks.server import FLAG_CHOICES, cuda_graph_flags_for, server_distribution
 from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec
 from moetrace import storage
-from moetrace.tracer.claim import read_refusals
 from moetrace.tracer.manifest import (
     RUN_MANIFEST_NAME,
     common_value,
@@ -39,6 +38,7 @@ from moetrace.tracer.manifest import (
     expected_rank_count,
     label_key,
     new_run_manifest,
+    read_refusals,
     read_manifests,
     run_problems,
     utc_now,

@@ -18,9 +18,9 @@ import pyarrow.fs as pafs
 
 from moetrace import storage
 from moetrace.errors import MoetraceError
+from moetrace.tracer.manifest import REFUSED_PREFIX
 
 CLAIM_NAME = "_claim.json"
-REFUSED_PREFIX = "_refused-"
 
 
 def _local_path(fs: pafs.FileSystem, path: str) -> str | None:
@@ -68,24 +68,3 @@ def claim_rank_dir(fs: pafs.FileSystem, run_dir: str, rank_dir: str, label: str,
         "is not traced. Data-parallel replicas need distinct replica ids (SGLANG_DP_RANK or hook config 'replica'), "
         "a restarted server a new run id"
     )
-
-
-def read_refusals(fs: pafs.FileSystem, run_dir: str) -> list[dict]:
-    """The refusal records of a run folder (each: the refused process and who owns its folder)."""
-    out = []
-    for info in storage.list_dir(fs, run_dir):
-        if info.base_name.startswith(REFUSED_PREFIX) and info.base_name.endswith(".json"):
-            try:
-                doc = storage.read_json(fs, info.path)
-            except Exception:
-                doc = {}
-            out.append(doc if isinstance(doc, dict) else {})
-    return out
-
-
-def refusal_problem(doc: dict) -> str:
-    """One phrase for a refusal record, for the completeness rule."""
-    owner = doc.get("claimed_by") or {}
-    return (f"process pid {doc.get('pid', '?')} on {doc.get('host', '?')} was refused: rank {doc.get('rank_label', '?')} "
-            f"already belonged to pid {owner.get('pid', '?')} on {owner.get('host', '?')} (two processes with one "
-            "identity; that process traced nothing)")

@@ -205,8 +205,6 @@ def run_problems(manifests: dict[str, dict], expected_ranks: int | None, *, serv
     rank count the server was started with (None: the tp_size the manifests agree on);
     every pipeline stage and replica the manifests name must have all of them.
     ``refusals``: tracer.claim records of processes refused a folder."""
-    from moetrace.tracer.claim import refusal_problem
-
     problems: list[str] = []
     if not server_started:
         problems.append("the server did not start")
@@ -228,6 +226,30 @@ def run_problems(manifests: dict[str, dict], expected_ranks: int | None, *, serv
     for r, m in manifests.items():
         problems += [f"rank {r} {p}" for p in rank_problems(m)]
     return problems
+
+
+REFUSED_PREFIX = "_refused-"  # OUT/<run_id>/_refused-<host>-<pid>.json (tracer.claim writes them)
+
+
+def read_refusals(fs, run_dir: str) -> list[dict]:
+    """The refusal records of a run folder (each: the refused process and who owns its folder)."""
+    out = []
+    for info in storage.list_dir(fs, run_dir):
+        if info.base_name.startswith(REFUSED_PREFIX) and info.base_name.endswith(".json"):
+            try:
+                doc = storage.read_json(fs, info.path)
+            except Exception:
+                doc = {}
+            out.append(doc if isinstance(doc, dict) else {})
+    return out
+
+
+def refusal_problem(doc: dict) -> str:
+    """One phrase for a refusal record: a process with another's identity traced nothing."""
+    owner = doc.get("claimed_by") or {}
+    return (f"process pid {doc.get('pid', '?')} on {doc.get('host', '?')} was refused: rank {doc.get('rank_label', '?')} "
+            f"already belonged to pid {owner.get('pid', '?')} on {owner.get('host', '?')} (two processes with one "
+            "identity; that process traced nothing)")
 
 
 def common_value(manifests: dict[str, dict], key: str):
@@ -253,7 +275,7 @@ def expected_labels(manifests: dict[str, dict], expected_ranks: int | None) -> l
         return None
     pp = common_value(manifests, "pp_size")
     pp = pp if isinstance(pp, int) and pp > 0 else 1
-    replicas = sorted({m.get("replica") for m in manifests.values()}, key=lambda r: -1 if r is None else r)
+    replicas = sorted({m.get("replica") for m in manifests.values()}, key=lambda r: -1 if r is None else r) or [None]
     return [rank_label(t, p, pp, r) for r in replicas for p in range(pp) for t in range(n)]
 
 

@@ -239,6 +239,10 @@ class TraceSink:
             if self._close_reason is None:
                 self._close_reason = reason
             self._closing.set()
+        try:
+            self._q.put_nowait(None)  # wakes the writer now rather than at its next tick
+        except queue.Full:
+            pass
         if not wait:
             return self._closed.is_set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
