@@ -165,7 +165,9 @@ class Analysis:
         self.missing_loads = self._missing_loads()
 
     def _sampled_tensors(self, li: int) -> set[str] | None:
-        run = self.data.runs[[self.data.run_ids.code(r.run_id) for r in self.data.runs].index(int(self.loads["run"].iat[li]))]
+        """The tensor sampling of the rank that captured load li (None: all)."""
+        code = int(self.loads["run"].iat[li])
+        run = next(r for r in self.data.runs if self.data.run_ids.code(r.run_id) == code)
         rk = run.ranks.get(self.data.labels[int(self.loads["rank"].iat[li])])
         return rk.sampling()[2] if rk is not None else None
 

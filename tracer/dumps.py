@@ -20,9 +20,10 @@ def write_dump(fs: pafs.FileSystem, rank_dir: str, run_id: str, b: CaptureBatch,
     """Write one dump atomically; returns (path relative to the rank folder, bytes)."""
     from safetensors.torch import save  # only when something mismatched: the hook stays light
 
-    name = f"step{b.step}-L{b.layer}-E{expert}-{b.tensor}-{b.source}-seq{b.capture_seq}.safetensors"
+    model = "" if b.model == "target" else f"{b.model}-"
+    name = f"{model}step{b.step}-L{b.layer}-E{expert}-{b.tensor}-{b.source}-seq{b.capture_seq}.safetensors"
     meta = {
-        "run_id": run_id, "tp_rank": str(b.ranks.tp_rank), "step": str(b.step), "layer": str(b.layer),
+        "run_id": run_id, "model": b.model, "tp_rank": str(b.ranks.tp_rank), "step": str(b.step), "layer": str(b.layer),
         "expert": str(expert), "tensor": b.tensor, "source": b.source, "capture_seq": str(b.capture_seq),
         "digest": got.hex(), "expected_digest": want.hex() if want else "",
     }

@@ -198,6 +198,7 @@ class TraceSink:
     def count_slot_map(self, model: str, how: str) -> None:
         """One more capture whose slots were mapped by `how` (hooks.slots sources)."""
         with self._lock:
+            self._changes += 1
             entry = self._m["models"].setdefault(model, {"slot_maps": {}})
             maps = entry.setdefault("slot_maps", {})
             maps[how] = maps.get(how, 0) + 1
