@@ -139,6 +139,26 @@ def test_kt_dynamic_update_reported_staged_and_resident(server):
     assert resident == {(d, t, s, 5 + s) for d in (0, 1) for t in (0, 1) for s in range(3)}
 
 
+def test_index_holds_the_shared_expert_and_the_draft_from_the_checkpoint(server):
+    """Qwen3.5: mlp.shared_expert as expert num_experts, mtp.layers.0 as the draft's layer 0,
+    equal to shards cut here from synthetic_values (moe_tp 1: the whole tensors)."""
+    from moetrace.checkpoints.synthetic import DRAFT_VALUE_LAYER, synthetic_values
+    from moetrace.fingerprint import fingerprint
+
+    def w13(layer, expert):
+        rows, cols = torch.arange(CKPT["intermediate"]).view(-1, 1), torch.arange(CKPT["hidden"]).view(1, -1)
+        return torch.cat([synthetic_values(layer, expert, p, rows, cols, "weight", seed=CKPT["seed"]) for p in (0, 1)])
+
+    t = read_index(server["ep2"])
+    rows = {(r["model"], r["layer"], r["expert"], r["tensor"]): r["digest"] for r in t.to_pylist()}
+    assert rows[("target", 3, E, "w13_weight")] == fingerprint(w13(3, E)).digest
+    assert rows[("draft", 0, 6, "w13_weight")] == fingerprint(w13(DRAFT_VALUE_LAYER, 6)).digest
+    assert rows[("draft", 0, 6, "w13_weight")] != rows[("target", 0, 6, "w13_weight")]
+    assert {k[1:3] for k in rows if k[0] == "draft"} == {(0, e) for e in range(E)}
+    meta = json.loads(t.schema.metadata[INDEX_META_KEY])
+    assert meta["shared_experts"] == 1 and meta["draft"] == {"format": "fp8_block", "layers": [0]}
+
+
 def _without(index: str, out: Path, drop, **meta) -> str:
     """The index without some rows (as if the checkpoint side could not build them)."""
     t = read_index(index)
