@@ -7,10 +7,13 @@ so forward hooks do not see it. When ``load`` returns, the staged tensors are
 final on every rank and ``process_weights_after_loading`` has not run yet: that
 is when the wrapper fingerprints them (``source="staged"``).
 
-Transport order: the position of each expert in the load's CPU-expert order
-(the order the host staging buffers carry them), derived from the load's
-arguments as the fork does; experts copied GPU-to-GPU from the resident layer
-get -1; if the order cannot be derived, the expert index.
+Transport order follows the fork's ``load`` (sglang-kt 0.7.2): FP8 block and
+FP8 channel pass ``original_layer=None``, so EVERY expert is staged through the
+host slots, in id order (position = expert id, whatever the GPU mask says).
+BF16 keeps the resident-first copy: experts of the GPU mask are copied
+device-to-device (-1) and the others are staged in CPU-expert order. A format
+conform does not know keeps that mask-based reading, and if the order cannot be
+derived at all, the expert index.
 """
 
 from __future__ import annotations
@@ -46,9 +49,33 @@ def _ids(value) -> list[int]:
     return [int(v) for v in value]
 
 
-def transport_positions(num_experts: int, args: dict) -> tuple[list[int], str]:
-    """Per-expert transport order from the bound ``load`` arguments, and how it was found."""
+# How SharedFullContext.load moves each format's experts: "all-staged" (through the
+# host slots, in id order) or "resident-first" (GPU-mask experts device-to-device).
+STAGING = {"fp8_block": "all-staged", "fp8_channel": "all-staged", "bf16": "resident-first"}
+
+
+def staged_format(ctx, tensors: dict) -> str | None:
+    """The expert format of a staged context: "fp8_block" | "fp8_channel" | "bf16",
+    None when unknown. The fork's own flags win where present (MXFP4 and MXFP8 stage
+    FP8-block tensor names with other bytes); recognising INT4/MXFP4/MXFP8 contexts
+    (and their rows in STAGING) is issue 11's: add them here."""
+    if any(getattr(ctx, f"_is_{f}_quant", False) for f in ("mxfp4", "mxfp8")):
+        return None
+    if "w13_weight_scale_inv" in tensors:
+        return "fp8_block"
+    if "w13_weight_scale" in tensors:
+        return "fp8_channel"
+    if "w13_weight" in tensors:
+        return "bf16"
+    return None
+
+
+def transport_positions(num_experts: int, args: dict, fmt: str | None = None) -> tuple[list[int], str]:
+    """Per-expert transport order from the format and the bound ``load`` arguments,
+    and how it was found."""
     order = list(range(num_experts))
+    if STAGING.get(fmt) == "all-staged":
+        return order, "all-staged"
     original = args.get("original_layer")
     if "cpu_expert_ids_t" in args or "gpu_expert_ids_t" in args:
         gpu_ids, cpu_ids = args.get("gpu_expert_ids_t"), args.get("cpu_expert_ids_t")
@@ -141,7 +168,7 @@ class KTLoadCapture:
                              "staged capture skipped for this format")
                 return
             n = next(iter(tensors.values())).shape[0]
-            positions, how = transport_positions(n, a)
+            positions, how = transport_positions(n, a, staged_format(ctx, tensors))
             if how == "expert-index":
                 tr.note_once("KT load signature without expert-order arguments: transport_position is the expert index")
             ranks = module_ranks(gpu_layer, tr.tp_rank, tr.tp_size)
