@@ -532,5 +532,43 @@ def selftest_cmd(device, quick, only, workdir, as_json):
         click.echo(st.verdict_line(code, proofs, device))
     sys.exit(code)
 
+# ---- the fork's own code: conform ----------------------------------------------
+@main.command("conform")
+@click.option("--fork-path", default=None, type=click.Path(path_type=str),
+              help="sglang-kt to run: a pip --target folder, a site-packages or a source checkout "
+                   "(default: the installed sglang-kt, or the one in the venv's kt-side folder).")
+@click.option("--format", "fmt", type=click.Choice(["fp8_block", "fp8_channel", "bf16"]), default="fp8_block",
+              show_default=True, help="Expert format; picks the fork's _prepare_weight_* path.")
+@click.option("--tp", type=click.IntRange(2, 8), default=2, show_default=True, help="TP ranks (processes).")
+@click.option("--experts", type=click.IntRange(3, 256), default=8, show_default=True, help="Experts in the layer.")
+@click.option("--schedule", type=click.Choice(["slow-peer", "none"]), default="slow-peer", show_default=True,
+              help="slow-peer: ranks > 0 read each host slot as late as the code allows (same result every run); "
+                   "none: no delay (timing decides; a pass proves nothing).")
+@click.option("--patch-fence", is_flag=True, help="Patch the seed PR's reader fence into the loaded class first.")
+@click.option("--writer", type=click.Choice(["kt-kernel", "moetrace"]), default="kt-kernel", show_default=True,
+              help="Rank 0's host-slot writer (kt-kernel: moetrace's when kt-kernel cannot run here, said so).")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=str), default=None,
+              help="Keep the checkpoint, index, traces and rank logs here (default: a temp folder, removed).")
+@click.option("--json-out", default=None, metavar="FILE", help="Write the JSON result (docs/conform.md) here.")
+def conform_cmd(fork_path, fmt, tp, experts, schedule, patch_fence, writer, workdir, json_out):
+    """Run the installed fork's own staging code on CPU and audit what each rank holds.
+
+    The real SharedFullContext.load of sglang-kt (read from its installed file)
+    runs in TP gloo processes under a simulated CUDA runtime, rank 0's writer is
+    kt-kernel's, moetrace's KT hook captures, the analysis judges. Exit 1: a rank
+    holds wrong bytes; 0: every rank holds its shard; 2: it could not run.
+
+    \b
+    Examples:
+      moetrace conform                       # the fork as shipped: exit 1, rank 1 holds E+2
+      moetrace conform --patch-fence         # the seed PR's fence on the same schedule: exit 0
+      moetrace conform --fork-path ./my-fork/python --format bf16 --json-out bf16.json
+    """
+    from moetrace.jobs.conform import Case, conform_main
+
+    case = Case(fmt, schedule, patch_fence, writer, experts, fork_path)
+    sys.exit(conform_main(case, tp, workdir, json_out, echo=click.echo))
+
+
 if __name__ == "__main__":
     main()
