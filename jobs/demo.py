@@ -3,7 +3,9 @@ emulated TP2 KT staging server.
 
 checkpoint (synthetic Qwen3.5 FP8) -> index -> emulated server, unfenced and
 fenced, same requests, moetrace's own hooks -> analyze both -> reports, plot,
-token-0 differences against a reference computed from the checkpoint.
+token-0 differences against a reference computed from the checkpoint. The staged
+loads are the installed sglang-kt's own code where it is installed (transport
+"fork", kt-kernel's writer on rank 0), else the emulator's (said in the output).
 """
 
 from __future__ import annotations
@@ -60,12 +62,13 @@ def _prepare(workdir: Path, size: DemoSize, echo: Callable[[str], None]) -> tupl
 
 
 def _run(ckpt: Path, traces: Path, run_id: str, fence: str, requests: list[dict], checkpoint_id: str,
-         device: str, slow_rank: int | None):
+         device: str, slow_rank: int | None, transport: str):
     from moetrace.emulator import run_emulation
     from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec
 
     spec = hook_spec({"out": str(traces), "run_id": run_id, "checkpoint_id": checkpoint_id}, DEFAULT_TARGETS)
-    return run_emulation(ckpt, requests, tp=2, fence=fence, slow_rank=slow_rank, forward_hooks=spec, device=device)
+    return run_emulation(ckpt, requests, tp=2, fence=fence, slow_rank=slow_rank, forward_hooks=spec, device=device,
+                         transport=transport)
 
 
 def _token0_delta(result, reference) -> float:
@@ -74,20 +77,25 @@ def _token0_delta(result, reference) -> float:
 
 
 def run_pair(workdir: Path, size: DemoSize, device: str = "cpu", slow_rank: int | None = 1,
-             echo: Callable[[str], None] = lambda s: None, runs: tuple[tuple[str, str], ...] = RUNS) -> dict:
+             echo: Callable[[str], None] = lambda s: None, runs: tuple[tuple[str, str], ...] = RUNS,
+             transport: str = "auto") -> dict:
     """Unfenced and fenced runs on one schedule, analyzed; returns the pieces."""
     from moetrace.analysis import analyze
     from moetrace.emulator import reference_outputs
+    from moetrace.emulator.fork_transport import resolve_transport
 
     workdir.mkdir(parents=True, exist_ok=True)
+    transport, staged_by = resolve_transport(transport, device)
+    echo(f"staged loads: {staged_by}")
     ckpt, index, checkpoint_id = _prepare(workdir, size, echo)
     requests = demo_requests(size)
     traces = workdir / "traces"
     reference = reference_outputs(ckpt, requests, tp=2)
-    out = {"checkpoint": ckpt, "index": index, "traces": traces, "runs": {}}
+    out = {"checkpoint": ckpt, "index": index, "traces": traces, "runs": {}, "transport": transport,
+           "staged_by": staged_by}
     for run_id, fence in runs:
         t0 = time.perf_counter()
-        result = _run(ckpt, traces, run_id, fence, requests, checkpoint_id, device, slow_rank)
+        result = _run(ckpt, traces, run_id, fence, requests, checkpoint_id, device, slow_rank, transport)
         seconds = time.perf_counter() - t0
         report = analyze([str(traces / run_id)], index=str(index))
         out["runs"][run_id] = {"fence": fence, "result": result, "report": report, "seconds": seconds,
@@ -118,7 +126,7 @@ def run_demo(workdir: str | Path, device: str = "cpu", quick: bool = False,
     t0 = time.perf_counter()
     pair = run_pair(workdir, QUICK if quick else FULL, device, echo=echo)
     summary = {"workdir": str(workdir), "checkpoint": str(pair["checkpoint"]), "index": str(pair["index"]),
-               "runs": {}}
+               "transport": pair["transport"], "staged_by": pair["staged_by"], "runs": {}}
     for run_id, run in pair["runs"].items():
         rep = run["report"]
         doc = rep.doc
@@ -143,6 +151,7 @@ def run_demo(workdir: str | Path, device: str = "cpu", quick: bool = False,
 def print_demo(summary: dict, echo: Callable[[str], None] = print) -> None:
     unf, fen = summary["runs"]["unfenced"], summary["runs"]["fenced"]
     echo("")
+    echo(f"staged loads: {summary['staged_by']}")
     echo("== unfenced (the fork as it is: rank 0 waits only for its own copy before refilling a slot)")
     for s in unf["first_divergence"]:
         echo(f"first divergence: {s}")
@@ -174,7 +183,10 @@ def detector_proof(workdir: Path, device: str = "cpu", quick: bool = True) -> di
     transport must be caught as E+2 on rank 1's w2 scales, and the fenced one
     must pass with full coverage, on the same injected schedule."""
     pair = run_pair(Path(workdir) / "detector", QUICK if quick else FULL, device)
-    return judge_detector(pair["runs"]["unfenced"]["report"], pair["runs"]["fenced"]["report"])
+    verdict = judge_detector(pair["runs"]["unfenced"]["report"], pair["runs"]["fenced"]["report"])
+    verdict["detail"] = f"{verdict['detail']} [staged loads: {pair['staged_by']}]"
+    verdict["transport"] = pair["transport"]
+    return verdict
 
 
 def judge_detector(unf, fen) -> dict:
