@@ -407,8 +407,11 @@ def diff_cmd(run_a, run_b, index_path, checkpoint, as_json, max_lines):
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Run the emulated server's copies on this device.")
 @click.option("--quick", is_flag=True, help="Smaller checkpoint (8 experts, H 256).")
+@click.option("--transport", type=click.Choice(["auto", "fork", "emulator"]), default="auto", show_default=True,
+              help="Who stages the layers: the installed sglang-kt's own code (fork; auto where installed) "
+                   "or the emulator's.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary instead of text.")
-def demo_cmd(workdir, device, quick, as_json):
+def demo_cmd(workdir, device, quick, transport, as_json):
     """Find the FP8 staging race and validate its fix, end to end, in a minute.
 
     Generates a small Qwen3.5-style FP8 checkpoint, builds the index, runs the
@@ -428,7 +431,7 @@ def demo_cmd(workdir, device, quick, as_json):
         if not torch.cuda.is_available():
             raise MoetraceError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
     echo = (lambda s: None) if as_json else (lambda s: click.echo(s))
-    summary = demo.run_demo(workdir, device=device, quick=quick, echo=echo)
+    summary = demo.run_demo(workdir, device=device, quick=quick, echo=echo, transport=transport)
     if as_json:
         click.echo(demo.to_json(summary))
     else:

@@ -12,6 +12,7 @@ way; the fence functions are moetrace's, written from that description.
 from __future__ import annotations
 
 import ast
+import copy
 
 from moetrace.emulator.fork_source import ForkError
 
@@ -117,3 +118,8 @@ def patch_fence(cls_node: ast.ClassDef, ns: dict) -> list[str]:
             done.append(fn.name)
     ast.fix_missing_locations(cls_node)
     return done
+
+
+def check_patchable(cls_node: ast.ClassDef) -> list[str]:
+    """Raise ForkError when --patch-fence cannot apply (before any process starts)."""
+    return patch_fence(copy.deepcopy(cls_node), {"torch": None, "dist": None, "get_tp_group": None})

@@ -177,7 +177,7 @@ class CompiledFork:
 
 
 @dataclass(frozen=True)
-class _Parsed:
+class ParsedFork:
     """What one fork file needs, parsed once per process: the statements to run
     (compiled, except the class, which a patch rewrites on a copy), the names they read."""
 
@@ -188,7 +188,7 @@ class _Parsed:
 
 
 @functools.lru_cache(maxsize=4)
-def _parse(path: str, stamp: int) -> _Parsed:
+def _parse(path: str, stamp: int) -> ParsedFork:
     text = Path(path).read_text()
     tree = ast.parse(text, filename=path)
     defs = _top_defs(tree)
@@ -215,7 +215,13 @@ def _parse(path: str, stamp: int) -> _Parsed:
     free = set().union(*(uses[n] for n in wanted)) - wanted - set(dir(builtins))
     body = tuple((n, None if n is cls_node else _code(n, path)) for n in tree.body
                  if any(defs.get(k) is n for k in wanted))
-    return _Parsed(body, cls_node, frozenset(free), tuple(_top_imports(tree)))
+    return ParsedFork(body, cls_node, frozenset(free), tuple(_top_imports(tree)))
+
+
+def parse_fork(src: ForkSource) -> ParsedFork:
+    """The fork's file parsed and checked (ForkError when it lacks what conform drives);
+    cached per process and file version."""
+    return _parse(str(src.path), src.path.stat().st_mtime_ns)
 
 
 def _code(node: ast.stmt, path: str):
@@ -242,7 +248,7 @@ def compile_fork(src: ForkSource, provided: dict[str, object], modules: dict[str
     `provided`: objects by qualified import ("sglang.srt.distributed.get_tp_group");
     `modules`: replacement modules by import name ("torch", "torch.distributed", "os");
     `patch(class_node, namespace) -> [method names]` rewrites a copy of the class."""
-    parsed = _parse(str(src.path), src.path.stat().st_mtime_ns)
+    parsed = parse_fork(src)
     module = types.ModuleType(MODULE_NAME)
     module.__file__ = str(src.path)
     ns = module.__dict__

@@ -170,14 +170,19 @@ def run_conform(cases: Sequence[Case], tp: int = 2, workdir: str | None = None,
                 timeout_s: float = 120.0) -> list[ConformResult]:
     """Run every case in one set of TP rank processes (one start-up for all)."""
     from moetrace.analysis import analyze
+    from moetrace.emulator.fork_fence import check_patchable
     from moetrace.emulator.fork_rank import RankCase, RankJob
-    from moetrace.emulator.fork_source import find_fork, find_kt_kernel
+    from moetrace.emulator.fork_source import find_fork, find_kt_kernel, parse_fork
     from moetrace.emulator.slow_peer import Control
 
     for c in cases:
         check_case(c, tp)
     t0 = time.perf_counter()
     forks = {c.fork_path: find_fork(c.fork_path) for c in cases}
+    for c in cases:  # refuse an unusable fork here, before any process starts
+        parsed = parse_fork(forks[c.fork_path])
+        if c.patch_fence:
+            check_patchable(parsed.cls_node)
     kt_path, kt_version = find_kt_kernel([p for p in forks if p])
     wd, temporary = _workdir(workdir)
     ctl = None

@@ -121,10 +121,10 @@ def _write_reports(run_id: str, report, reports: Path) -> dict:
 
 
 def run_demo(workdir: str | Path, device: str = "cpu", quick: bool = False,
-             echo: Callable[[str], None] = print) -> dict:
+             echo: Callable[[str], None] = print, transport: str = "auto") -> dict:
     workdir = Path(workdir)
     t0 = time.perf_counter()
-    pair = run_pair(workdir, QUICK if quick else FULL, device, echo=echo)
+    pair = run_pair(workdir, QUICK if quick else FULL, device, echo=echo, transport=transport)
     summary = {"workdir": str(workdir), "checkpoint": str(pair["checkpoint"]), "index": str(pair["index"]),
                "transport": pair["transport"], "staged_by": pair["staged_by"], "runs": {}}
     for run_id, run in pair["runs"].items():

@@ -30,6 +30,8 @@ def test_selftest_cpu_quick_passes(gpu_script_dry_run):
     assert proofs["fingerprint"]["ok"] and proofs["fingerprint"]["data"]["cases"] > 40
     assert proofs["detector"]["ok"] and "(E+2)" in proofs["detector"]["detail"]
     assert proofs["detector"]["data"]["unfenced_exit"] == 1 and proofs["detector"]["data"]["fenced_exit"] == 0
+    if os.environ.get("MOETRACE_REQUIRE_FORK") == "1":  # make test: the proof ran the fork's own staging code
+        assert proofs["detector"]["data"]["transport"] == "fork" and "sglang-kt 0.7.2" in proofs["detector"]["detail"]
     data = proofs["throughput"]["data"]
     for key in ("fingerprint_vs_copy", "fingerprint_vs_sha256_host", "capture_vs_load_copies"):
         assert data[key] > 0
