@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -236,6 +237,14 @@ def _fork_frame(err: BaseException, fork_files: set) -> str:
     return f" (at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
 
 
+def _watch_parent(parent: int) -> None:
+    """Exit when the conform command is gone (a killed parent leaves no one to stop us)."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
 def rank_main(rank: int, job: RankJob) -> None:
     """Spawned per rank; writes results/rank<r>.json and exits 0, or 3 on error."""
     started = time.perf_counter()
@@ -243,6 +252,8 @@ def rank_main(rank: int, job: RankJob) -> None:
     log = os.open(Path(job.results) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)  # kt-kernel prints from C++: keep the command's own output clean
     os.dup2(log, 2)
+    parent = os.getppid()
+    threading.Thread(target=_watch_parent, args=(parent,), name="conform-watchdog", daemon=True).start()
     try:
         if job.kt_path and job.kt_path not in sys.path:
             sys.path.append(job.kt_path)

@@ -111,32 +111,37 @@ def _prepare(wd: Path, fmt: str, experts: int, tp: int) -> tuple[Path, Path, str
 
 
 def _spawn(job) -> list[dict]:
-    """Start the ranks, wait for their result files; stop the others once one failed."""
+    """Start the ranks, wait for their result files; stop the others once one failed,
+    and every one on the way out (Ctrl-C included)."""
     from moetrace.emulator.fork_rank import rank_main
 
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=rank_main, args=(r, job), name=f"conform-rank{r}") for r in range(job.tp)]
-    for p in procs:
-        p.start()
     limit = job.timeout_s * (2 + len(job.cases))
-    deadline, results = time.monotonic() + limit, {}
-    while len(results) < job.tp and time.monotonic() < deadline:
-        for r, p in enumerate(procs):
-            path = Path(job.results) / f"rank{r}.json"
-            if r not in results and path.exists():
-                results[r] = json.loads(path.read_text())
-            elif r not in results and not p.is_alive():
-                results[r] = {"rank": r, "error": f"rank {r} exited with code {p.exitcode} and wrote no result",
-                              "error_kind": "crash", "cases": []}
-        if any(v.get("error") for v in results.values()):
-            time.sleep(1.0)  # let the peers notice and report, then stop them
-            break
-        time.sleep(0.05)
-    for p in procs:
-        p.join(timeout=2)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    results: dict[int, dict] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + limit
+        while len(results) < job.tp and time.monotonic() < deadline:
+            for r, p in enumerate(procs):
+                path = Path(job.results) / f"rank{r}.json"
+                if r not in results and path.exists():
+                    results[r] = json.loads(path.read_text())
+                elif r not in results and not p.is_alive():
+                    results[r] = {"rank": r, "error": f"rank {r} exited with code {p.exitcode} and wrote no result",
+                                  "error_kind": "crash", "cases": []}
+            if any(v.get("error") for v in results.values()):
+                time.sleep(1.0)  # let the peers notice and report, then stop them
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.pid is not None:
+                p.join(timeout=2)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
     for r in range(job.tp):
         path = Path(job.results) / f"rank{r}.json"
         if r not in results:
