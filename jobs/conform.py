@@ -51,6 +51,7 @@ class Case:
 @dataclass
 class ConformResult:
     case: Case
+    tp: int
     fork: dict  # path, version, how it was found
     exit_code: int  # 0 every rank holds its shard, full coverage; 1 divergence; 2 could not tell
     status: str  # the analysis status: "match" | "divergent" | "incomplete"
@@ -219,7 +220,7 @@ def run_conform(cases: Sequence[Case], tp: int = 2, workdir: str | None = None,
             doc = report.doc
             seconds = {"prepare": round(t1 - t0, 2), "ranks": round(t2 - t1, 2), "rank0": facts["seconds"]}
             out.append(ConformResult(
-                c, fork, report.exit_code, doc["status"], run_id, facts["writer"], facts["writer_kind"],
+                c, tp, fork, report.exit_code, doc["status"], run_id, facts["writer"], facts["writer_kind"],
                 facts["patched"], _held(report, c.fmt, tp, c.experts),
                 [f["sentence"] for f in doc["first_divergence"]], doc["totals"]["sentence"], seconds, report))
         return out
@@ -230,37 +231,39 @@ def run_conform(cases: Sequence[Case], tp: int = 2, workdir: str | None = None,
             shutil.rmtree(wd, ignore_errors=True)
 
 
-def result_doc(res: ConformResult, tp: int) -> dict:
-    """The --json-out document (docs/conform.md)."""
+def result_doc(res: ConformResult) -> dict:
+    """The --json-out document (docs/conform.md); also what the terminal lines are made of."""
     from moetrace import __version__
     from moetrace.schema import CONFORM_SCHEMA, CONFORM_SCHEMA_VERSION
 
     return {"schema": CONFORM_SCHEMA, "version": CONFORM_SCHEMA_VERSION, "moetrace_version": __version__,
-            "fork": res.fork, "case": {**asdict(res.case), "tp": tp}, "exit_code": res.exit_code,
-            "status": res.status, "writer": res.writer, "writer_kind": res.writer_kind, "patched": res.patched,
-            "held": {str(r): h for r, h in res.held.items()}, "first_divergence": res.first_divergence,
-            "totals": res.totals, "seconds": res.seconds, "analysis": res.report.doc}
+            "fork": res.fork, "case": {**asdict(res.case), "tp": res.tp}, "run_id": res.run_id,
+            "exit_code": res.exit_code, "status": res.status, "writer": res.writer, "writer_kind": res.writer_kind,
+            "patched": res.patched, "held": {str(r): h for r, h in res.held.items()},
+            "first_divergence": res.first_divergence, "totals": res.totals, "seconds": res.seconds,
+            "analysis": res.report.doc}
 
 
-def result_lines(res: ConformResult, tp: int) -> list[str]:
-    c = res.case
-    fence = (f"seed PR fence patched into {', '.join(res.patched)}" if c.patch_fence else "as installed")
-    lines = [f"fork: sglang-kt {res.fork['version']} ({res.fork['path']}), SharedFullContext {fence}",
-             f"run: {c.fmt}, TP{tp}, {c.experts} experts, schedule {c.schedule}; rank 0's writer: {res.writer}"]
-    if c.schedule == "none":
+def result_lines(doc: dict) -> list[str]:
+    c = doc["case"]
+    fence = f"seed PR fence patched into {', '.join(doc['patched'])}" if c["patch_fence"] else "as installed"
+    lines = [f"fork: sglang-kt {doc['fork']['version']} ({doc['fork']['path']}), SharedFullContext {fence}",
+             f"run: {c['fmt']}, TP{c['tp']}, {c['experts']} experts, schedule {c['schedule']}; "
+             f"rank 0's writer: {doc['writer']}"]
+    if c["schedule"] == "none":
         lines.append("note: no injected delay: a match proves nothing (the race depends on timing), "
                      "a divergence is real")
-    word = {0: "PASS: every rank holds its shard, full coverage", 1: "DIVERGENT", 2: "INCOMPLETE"}[res.exit_code]
-    lines.append(f"{word}: {res.totals}")
-    lines += [f"first divergence: {s}" for s in res.first_divergence]
-    for r, tensors in res.held.items():
+    word = {0: "PASS: every rank holds its shard, full coverage", 1: "DIVERGENT", 2: "INCOMPLETE"}[doc["exit_code"]]
+    lines.append(f"{word}: {doc['totals']}")
+    lines += [f"first divergence: {s}" for s in doc["first_divergence"]]
+    for r, tensors in doc["held"].items():
         groups: dict[tuple, list[str]] = {}
         for t, got in tensors.items():
             groups.setdefault(tuple(got), []).append(t)
         for got, names in groups.items():
-            if list(got) != list(range(c.experts)):
+            if list(got) != list(range(c["experts"])):
                 shown = ", ".join("?" if e is None else str(e) for e in got)
-                lines.append(f"  rank {r} {'/'.join(names)}: experts 0..{c.experts - 1} hold [{shown}]")
+                lines.append(f"  rank {r} {'/'.join(names)}: experts 0..{c['experts'] - 1} hold [{shown}]")
     return lines
 
 
@@ -270,9 +273,10 @@ def conform_main(case: Case, tp: int, workdir: str | None, json_out: str | None,
     from moetrace.storage import open_fs, write_json
 
     (res,) = run_conform([case], tp=tp, workdir=workdir)
-    for line in result_lines(res, tp):
+    doc = result_doc(res)
+    for line in result_lines(doc):
         echo(line)
     if json_out:
         fs, path = open_fs(json_out, "--json-out")
-        write_json(fs, path, result_doc(res, tp))
+        write_json(fs, path, doc)
     return res.exit_code

@@ -76,101 +76,113 @@ def hand_patched_fork(root: Path) -> Path:
     text = (installed_fork().path).read_text()
     assert text.count(SHIPPED_LOOP) == 3, "the fork's staging loop changed: update SHIPPED_LOOP"
     dst = root / WRAPPER
-    dst.parent.mkdir(parents=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_text(text.replace(SHIPPED_LOOP, FENCED_LOOP, 1))
     return root
 
 
 @pytest.fixture(scope="session")
-def conform_runs(tmp_path_factory):
+def conform_runs(tmp_path_factory) -> tuple[dict, Path]:
+    """Every real case in one set of rank processes, once per session (across xdist
+    workers): name -> the --json-out document; and the work folder."""
+    from conftest import once_per_session
+
     installed_fork()
-    user_fork = str(hand_patched_fork(tmp_path_factory.mktemp("user-fork")))
-    cases = {
-        "shipped": Case("fp8_block", "slow-peer", False, "kt-kernel", E),
-        "patched": Case("fp8_block", "slow-peer", True, "kt-kernel", E),
-        "channel": Case("fp8_channel", "slow-peer", False, "kt-kernel", E),
-        "bf16": Case("bf16", "slow-peer", False, "moetrace", E),
-        "bf16_patched": Case("bf16", "slow-peer", True, "moetrace", E),
-        "user_fork": Case("fp8_block", "slow-peer", False, "kt-kernel", E, user_fork),
-        "user_fork_channel": Case("fp8_channel", "slow-peer", False, "moetrace", E, user_fork),
-    }
-    work = tmp_path_factory.mktemp("conform")
-    return dict(zip(cases, run_conform(list(cases.values()), tp=2, workdir=str(work)))), work
+
+    def run(work: Path) -> dict:
+        user_fork = str(hand_patched_fork(work / "user-fork"))
+        cases = {
+            "shipped": Case("fp8_block", "slow-peer", False, "kt-kernel", E),
+            "patched": Case("fp8_block", "slow-peer", True, "kt-kernel", E),
+            "channel": Case("fp8_channel", "slow-peer", False, "kt-kernel", E),
+            "bf16": Case("bf16", "slow-peer", False, "moetrace", E),
+            "bf16_patched": Case("bf16", "slow-peer", True, "moetrace", E),
+            "user_fork": Case("fp8_block", "slow-peer", False, "kt-kernel", E, user_fork),
+            "user_fork_channel": Case("fp8_channel", "slow-peer", False, "moetrace", E, user_fork),
+        }
+        results = run_conform(list(cases.values()), tp=2, workdir=str(work / "conform"))
+        return {"work": str(work / "conform"), "docs": {k: result_doc(r) for k, r in zip(cases, results)}}
+
+    d = once_per_session(tmp_path_factory, "conform", run)
+    return d["docs"], Path(d["work"])
 
 
-def _clean(res, tp=2):
-    t = res.report.doc["totals"]
-    assert res.exit_code == 0 and res.status == "match", res.totals
-    assert t["tensors"] == t["match"] == tp * E * len(COPY_ORDERS[res.case.fmt]) and t["missing"] == 0
+def held(doc: dict, rank: int, tensor: str) -> list:
+    return doc["held"][str(rank)][tensor]
+
+
+def _clean(doc: dict, tp: int = 2):
+    t = doc["analysis"]["totals"]
+    assert doc["exit_code"] == 0 and doc["status"] == "match", doc["totals"]
+    assert t["tensors"] == t["match"] == tp * E * len(COPY_ORDERS[doc["case"]["fmt"]]) and t["missing"] == 0
 
 
 def test_shipped_fork_is_caught_rank1_holds_e_plus_2(conform_runs):
     """Negative control: the fork as installed, rank 1 reading late, FP8 block TP2."""
-    res = conform_runs[0]["shipped"]
-    assert res.exit_code == 1 and res.status == "divergent"
+    doc = conform_runs[0]["shipped"]
+    assert doc["exit_code"] == 1 and doc["status"] == "divergent"
     staged = list(range(E))  # FP8: every expert, id order, although load was handed a GPU mask
     for tensor in COPY_ORDERS["fp8_block"]:
-        assert res.held[0][tensor] == list(range(E))
-        assert res.held[1][tensor] == expected_held(staged) == [2, 3, 4, 5, 4, 5]
-    first = res.report.doc["first_divergence"][0]
+        assert held(doc, 0, tensor) == list(range(E))
+        assert held(doc, 1, tensor) == expected_held(staged) == [2, 3, 4, 5, 4, 5]
+    first = doc["analysis"]["first_divergence"][0]
     e = first["entries"][0]
     assert (first["ranks"], e["tp_rank"], e["expert"], e["verdict"], e["k"]) == ([1], 1, 0, "stale", 2)
-    assert "rank 1, expert 0: w13_weight holds expert 2 (E+2)" in res.first_divergence[0]
+    assert "rank 1, expert 0: w13_weight holds expert 2 (E+2)" in doc["first_divergence"][0]
     if REQUIRE:
-        assert res.writer_kind == "kt-kernel" and res.writer.startswith("kt-kernel 0.7.2 FP8 wrapper")
+        assert doc["writer_kind"] == "kt-kernel" and doc["writer"].startswith("kt-kernel 0.7.2 FP8 wrapper")
 
 
 def test_patched_fence_passes_on_the_same_schedule(conform_runs):
-    res = conform_runs[0]["patched"]
-    _clean(res)
-    assert "_prepare_weight_fp8" in res.patched
+    doc = conform_runs[0]["patched"]
+    _clean(doc)
+    assert "_prepare_weight_fp8" in doc["patched"]
     if REQUIRE:
-        assert res.writer_kind == "kt-kernel"
+        assert doc["writer_kind"] == "kt-kernel"
 
 
 def test_fp8_staging_ignores_the_gpu_mask_bf16_copies_it_first(conform_runs):
     """Transport positions in the trace follow the fork's load(): FP8 stages every
     expert in id order; BF16 copies mask experts device-to-device (-1) first."""
-    runs, work = conform_runs
+    docs, work = conform_runs
+    cpu = [x for x in range(E) if x not in MASK]
     for name, want in (("shipped", {e: e for e in range(E)}),
-                       ("bf16", {e: ([x for x in range(E) if x not in MASK].index(e) if e not in MASK else -1)
-                                 for e in range(E)})):
-        rows = read_rows(str(work / "traces"), runs[name].run_id).to_pylist()
+                       ("bf16", {e: (cpu.index(e) if e in cpu else -1) for e in range(E)})):
+        rows = read_rows(str(work / "traces"), docs[name]["run_id"]).to_pylist()
         assert {(r["tp_rank"], r["expert"]): r["transport_position"] for r in rows} == \
             {(rank, e): p for rank in (0, 1) for e, p in want.items()}
 
 
 def test_fp8_channel_and_bf16_race_too(conform_runs):
-    runs = conform_runs[0]
-    ch = runs["channel"]
-    assert ch.exit_code == 1
-    assert all(ch.held[1][t] == expected_held(list(range(E))) for t in COPY_ORDERS["fp8_channel"])
-    assert ch.writer_kind == "kt-kernel" or "because kt-kernel" in ch.writer  # said why not
-    bf = runs["bf16"]
+    docs = conform_runs[0]
+    ch = docs["channel"]
+    assert ch["exit_code"] == 1
+    assert all(held(ch, 1, t) == expected_held(list(range(E))) for t in COPY_ORDERS["fp8_channel"])
+    assert ch["writer_kind"] == "kt-kernel" or "because kt-kernel" in ch["writer"]  # said why not
+    bf = docs["bf16"]
     cpu = [e for e in range(E) if e not in MASK]
-    assert bf.exit_code == 1 and bf.writer_kind == "moetrace"
-    assert all(bf.held[1][t] == expected_held(cpu) for t in COPY_ORDERS["bf16"])
-    assert all(bf.held[1][t][e] == e for t in COPY_ORDERS["bf16"] for e in MASK)  # resident: never staged
-    _clean(runs["bf16_patched"])
+    assert bf["exit_code"] == 1 and bf["writer_kind"] == "moetrace"
+    assert all(held(bf, 1, t) == expected_held(cpu) for t in COPY_ORDERS["bf16"])
+    assert all(held(bf, 1, t)[e] == e for t in COPY_ORDERS["bf16"] for e in MASK)  # resident: never staged
+    _clean(docs["bf16_patched"])
 
 
 def test_a_fork_patched_by_hand_validates_without_patch_fence(conform_runs):
     """The user's workflow: their own fenced fork, --fork-path, no --patch-fence: exit 0.
     The PR's scope is _prepare_weight_fp8, so the same fork's FP8-channel path still races."""
-    runs = conform_runs[0]
-    _clean(runs["user_fork"])
-    assert runs["user_fork"].patched == [] and runs["user_fork"].fork["version"] == "unknown"
-    assert runs["user_fork_channel"].exit_code == 1
+    docs = conform_runs[0]
+    _clean(docs["user_fork"])
+    assert docs["user_fork"]["patched"] == [] and docs["user_fork"]["fork"]["version"] == "unknown"
+    assert docs["user_fork_channel"]["exit_code"] == 1
 
 
-def test_result_text_and_json_name_the_stale_experts(conform_runs):
-    res = conform_runs[0]["shipped"]
-    text = "\n".join(result_lines(res, 2))
+def test_result_lines_name_the_stale_experts(conform_runs):
+    doc = conform_runs[0]["shipped"]
+    text = "\n".join(result_lines(doc))
     assert "DIVERGENT" in text and "rank 1 w13_weight/w13_weight_scale_inv/w2_weight/w2_weight_scale_inv: " \
                                     "experts 0..5 hold [2, 3, 4, 5, 4, 5]" in text
-    doc = result_doc(res, 2)
-    assert (doc["schema"], doc["version"], doc["exit_code"]) == ("moetrace.conform", 1, 1)
-    assert doc["held"]["1"]["w2_weight_scale_inv"] == [2, 3, 4, 5, 4, 5] and doc["analysis"]["status"] == "divergent"
+    assert (doc["schema"], doc["version"], doc["analysis"]["status"]) == ("moetrace.conform", 1, "divergent")
+    assert "PASS: every rank holds its shard" in "\n".join(result_lines(conform_runs[0]["patched"]))
 
 
 # ------------------------------------------------------------ refusals (no processes)
