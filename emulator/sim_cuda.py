@@ -64,7 +64,7 @@ class SimStream:
         self._cv = threading.Condition()
         self._issued = 0
         self._done = 0
-        self.settled_version = -1  # schedule handshake: last control version this stream was quiet at
+        self.settled_version = -1  # schedule handshake: last control version this stream was quiet at (_settle)
         self.error: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"sim-{name}", daemon=True)
@@ -76,7 +76,7 @@ class SimStream:
             raise SimTimeout(f"{self.name}: {self.error}")
         with self._cv:
             self._issued += 1
-            self.settled_version = -1
+            self._settle(-1)
             self._q.append(op)
             self._cv.notify_all()
             return self._issued
@@ -116,6 +116,11 @@ class SimStream:
                                      + "; ".join(s.describe_head() for s in self.runtime.streams if not s.idle()))
                 self._cv.wait(min(left, 0.05))
 
+    def _settle(self, version: int) -> None:
+        if version != self.settled_version:
+            self.settled_version = version
+            self.runtime.settled_changed()
+
     def idle(self) -> bool:
         with self._cv:
             return not self._q
@@ -139,7 +144,7 @@ class SimStream:
         while True:
             with self._cv:
                 while not self._q and not self._closed:
-                    self.settled_version = QUIET
+                    self._settle(QUIET)
                     self._cv.wait()
                 if self._closed and not self._q:
                     return
@@ -176,7 +181,7 @@ class SimStream:
         else:
             return True
         if not ok:
-            self.settled_version = version
+            self._settle(version)
             time.sleep(self.POLL_S)
         return ok
 
@@ -247,6 +252,7 @@ class SimRuntime:
         self.rank = rank
         self.timeout_s = timeout_s
         self._tls = threading.local()
+        self._settled = threading.Condition()
         self.streams: list[SimStream] = []
         self.default_stream = self.new_stream("default stream")
         self.copy_hook = None  # (stream, dst, src) -> Hold | None: set by the schedule
@@ -275,6 +281,17 @@ class SimRuntime:
     def settled_version(self) -> int:
         """The control version every stream of this process was last quiet at."""
         return min((s.settled_version for s in self.streams), default=QUIET)
+
+    def settled_changed(self) -> None:
+        with self._settled:
+            self._settled.notify_all()
+
+    def watch_settled(self, publish, stop: threading.Event) -> None:
+        """publish(settled_version()) now and after every change, until stop is set."""
+        with self._settled:
+            while not stop.is_set():
+                publish(self.settled_version())
+                self._settled.wait(0.05)
 
     def close(self) -> None:
         for s in self.streams:

@@ -196,9 +196,12 @@ class SlowPeer:
             self.ctl.words[_ACK0 + self.world + self.rank] = _key(self._load, pos)
 
     def _ack_loop(self) -> None:
-        while not self._stop.is_set():
-            self.ctl.words[_ACK0 + self.rank] = min(self.rt.settled_version(), QUIET)
-            time.sleep(self.POLL_S)
+        """Publish this rank's quiet version whenever a stream's changes (streams re-read
+        the control themselves while a copy is held, so nothing else can move it)."""
+        def publish(version: int) -> None:
+            self.ctl.words[_ACK0 + self.rank] = min(version, QUIET)
+
+        self.rt.watch_settled(publish, self._stop)
 
     # -- rank 0
     def observe_writer(self, wrapper):
