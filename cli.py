@@ -38,8 +38,12 @@ def main() -> None:
 @main.command("make-checkpoint")
 @click.option("--family", type=click.Choice(["qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3"]),
               default="qwen3_5_moe", show_default=True, help="Model family: sets architecture, config keys and tensor names.")
-@click.option("--format", "fmt", type=click.Choice(["fp8_block", "fp8_channel", "bf16"]), default="fp8_block",
-              show_default=True, help="Expert weight format (fp8_block: 128x128 weight_scale_inv; fp8_channel: weight_scale).")
+@click.option("--format", "fmt", type=click.Choice(["fp8_block", "fp8_channel", "fp8_tensor", "bf16"]), default="fp8_block",
+              show_default=True, help="Expert weight format: FP8 with block, per-channel or per-tensor scales, or BF16.")
+@click.option("--quant-method", type=click.Choice(["fp8", "compressed-tensors"]), default=None,
+              help="quantization_config.quant_method [default: compressed-tensors for fp8_channel, else fp8].")
+@click.option("--block", default="128", show_default=True,
+              help="fp8_block scale block: N (N x N) or N,K (block_n over output rows, block_k over input columns).")
 @click.option("--fused", is_flag=True, help="BF16 only: write fused 3-D mlp.experts.gate_up_proj/down_proj (Qwen3.5 BF16 layout).")
 @click.option("--layers", type=int, default=2, show_default=True, help="num_hidden_layers, dense layers included.")
 @click.option("--experts", type=int, default=8, show_default=True, help="Routed experts per MoE layer.")
@@ -54,8 +58,8 @@ def main() -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Changes every value (synthetic_values seed).")
 @click.option("-o", "--out", type=click.Path(file_okay=False), required=True, help="New or empty output directory.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"path": ..., "identity": ...} instead of the path.')
-def make_checkpoint(family, fmt, fused, layers, experts, hidden, intermediate, scale_dtype, files, dense_layers, seed, out,
-                    as_json) -> None:  # fmt: skip
+def make_checkpoint(family, fmt, quant_method, block, fused, layers, experts, hidden, intermediate, scale_dtype, files,
+                    dense_layers, seed, out, as_json) -> None:  # fmt: skip
     """Write a small synthetic MoE checkpoint with real names, dtypes and layout.
 
     Every expert element is a known function of (layer, expert, projection, row,
@@ -73,9 +77,16 @@ def make_checkpoint(family, fmt, fused, layers, experts, hidden, intermediate, s
     from moetrace.checkpoints.reader import open_checkpoint
     from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
 
+    try:
+        sizes = tuple(int(b) for b in block.split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) not in (1, 2):
+        raise MoetraceError(f"--block {block!r}: expected N or N,K (positive integers)")
     path = write_synthetic_checkpoint(
         out, family=family, fmt=fmt, num_layers=layers, num_experts=experts, hidden=hidden, intermediate=intermediate,
         scale_dtype=scale_dtype, num_files=files, dense_layers=dense_layers, seed=seed, fused=fused,
+        quant_method=quant_method, block=sizes if len(sizes) == 2 else sizes[0],
     )  # fmt: skip
     if as_json:
         with open_checkpoint(path) as ckpt:
@@ -93,12 +104,14 @@ def make_checkpoint(family, fmt, fused, layers, experts, hidden, intermediate, s
 @click.option("--ep", "ep_size", type=click.IntRange(min=1), default=1, show_default=True, help="Expert-parallel size.")
 @click.option("--layers", default=None, help="MoE layers to index, e.g. 0,2,5-7 (default: all MoE layers).")
 @click.option("--up-first", is_flag=True, help="w13 holds up rows before gate rows (flashinfer-trtllm runner).")
+@click.option("--layout-from", "layout_from", default=None, metavar="TRACE",
+              help="Build for the layout a trace recorded (order, padding, reproduced transforms; docs/compat.md).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where to fingerprint; the digests are bit-identical on both.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str), help="Index Parquet file to write.")
 @click.option("--no-cache", is_flag=True, help="Rebuild even if the cache holds this index.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of text; no progress bar.")
-def index_cmd(checkpoint, tp_size, ep_size, layers, up_first, device, output, no_cache, as_json):
+def index_cmd(checkpoint, tp_size, ep_size, layers, up_first, layout_from, device, output, no_cache, as_json):
     """Fingerprint the TP shard every rank must hold, per the checkpoint.
 
     \b
@@ -111,12 +124,21 @@ def index_cmd(checkpoint, tp_size, ep_size, layers, up_first, device, output, no
     from moetrace.checkpoints.reader import open_checkpoint
     from moetrace.schema import parse_ids
 
+    from moetrace.checkpoints.layout import ServerLayout
+
     spec = open_checkpoint(checkpoint).spec
     wanted = parse_ids(layers, "--layers", bound=spec.num_layers)
+    if layout_from and up_first:
+        raise MoetraceError("pass --up-first or --layout-from, not both")
+    layout = ServerLayout(up_first=up_first)
+    if layout_from:
+        from moetrace.analysis.layouts import layout_of_trace
+
+        layout = layout_of_trace([layout_from], spec)
     n_units = len(wanted if wanted is not None else spec.moe_layers) * tp_size
     show_bar = not as_json and sys.stderr.isatty()
     with click.progressbar(length=n_units, label="fingerprinting", file=sys.stderr) if show_bar else _NullBar() as bar:
-        summary = make_index(checkpoint, output, tp_size, ep_size, wanted, up_first, device, not no_cache, bar.update)
+        summary = make_index(checkpoint, output, tp_size, ep_size, wanted, layout, device, not no_cache, bar.update)
     if as_json:
         click.echo(json.dumps(summary))
     else:

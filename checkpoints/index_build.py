@@ -25,6 +25,7 @@ import torch
 from moetrace import __version__
 from moetrace import fingerprint as fpdef
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
+from moetrace.checkpoints.layout import CANONICAL, ServerLayout
 from moetrace.checkpoints.reader import Checkpoint, open_checkpoint
 from moetrace.checkpoints.shards import Parallel, expected_layer, local_experts, rank_coords, validate_parallel
 from moetrace.checkpoints.spec import MoESpec
@@ -37,7 +38,7 @@ class IndexOptions:
     tp_size: int
     ep_size: int = 1
     layers: tuple[int, ...] | None = None  # None: every MoE layer of the config
-    up_first: bool = False
+    layout: ServerLayout = CANONICAL  # the server layout the rows reproduce (checkpoints.layout)
     fp_version: int = fpdef.FP_VERSION
     chunk_bytes: int = fpdef.CHUNK_BYTES
     schema_version: int = INDEX_SCHEMA_VERSION
@@ -104,7 +105,7 @@ def build_index(
     tp_size: int,
     ep_size: int = 1,
     layers: Iterable[int] | None = None,
-    up_first: bool = False,
+    layout: ServerLayout = CANONICAL,
     device: str = "cpu",
     progress: Callable[[int], None] | None = None,
     stats: IndexStats | None = None,
@@ -116,7 +117,7 @@ def build_index(
     stats = stats if stats is not None else IndexStats()
     ckpt = open_checkpoint(checkpoint)
     spec = ckpt.spec
-    par = Parallel(tp_size=tp_size, ep_size=ep_size, up_first=up_first)
+    par = Parallel(tp_size=tp_size, ep_size=ep_size, layout=layout)
     validate_parallel(spec, par)
     wanted = _resolve_layers(spec, layers, checkpoint)
     if device != "cpu" and not torch.cuda.is_available():
@@ -139,9 +140,11 @@ def build_index(
     cols["checkpoint_id"] = [ckpt.identity] * n
     table = pa.table({f.name: pa.array(cols[f.name], type=f.type) for f in INDEX_SCHEMA}, schema=INDEX_SCHEMA)
     table = table.sort_by([("tp_rank", "ascending"), ("layer", "ascending"), ("expert", "ascending"), ("copy_position", "ascending")])
-    opts = IndexOptions(tp_size, ep_size, tuple(wanted), up_first)
+    opts = IndexOptions(tp_size, ep_size, tuple(wanted), layout)
     meta = {"checkpoint_id": ckpt.identity, "checkpoint_path": str(Path(checkpoint).resolve()), "moetrace": __version__,
-            "family": spec.family, "format": spec.fmt, "num_experts": spec.num_experts, **asdict(opts)}
+            "family": spec.family, "format": spec.fmt, "quant_method": spec.quant_method,
+            "intermediate_size": spec.intermediate_size,
+            "num_experts": spec.num_experts, **asdict(opts), "layout": layout.to_json(), "up_first": layout.up_first}
     stats.rows = n
     return table.replace_schema_metadata({INDEX_META_KEY: json.dumps(meta).encode()})
 
@@ -184,7 +187,7 @@ def cached_index(
     tp_size: int,
     ep_size: int = 1,
     layers: Iterable[int] | None = None,
-    up_first: bool = False,
+    layout: ServerLayout = CANONICAL,
     device: str = "cpu",
     progress: Callable[[int], None] | None = None,
     stats: IndexStats | None = None,
@@ -193,7 +196,7 @@ def cached_index(
     Returns (path, reused)."""
     ckpt = open_checkpoint(checkpoint)  # headers only; opened once for the key and the layers
     resolved = tuple(_resolve_layers(ckpt.spec, layers, checkpoint))
-    opts = IndexOptions(tp_size, ep_size, resolved, up_first)
+    opts = IndexOptions(tp_size, ep_size, resolved, layout)
     path = cache_dir() / f"{cache_key(checkpoint, opts, ckpt.identity)}.parquet"
     if path.exists():
         try:
@@ -201,24 +204,24 @@ def cached_index(
             return path, True
         except MoetraceError:
             path.unlink(missing_ok=True)
-    table = build_index(checkpoint, tp_size, ep_size, resolved, up_first, device, progress, stats)
+    table = build_index(checkpoint, tp_size, ep_size, resolved, layout, device, progress, stats)
     write_index(table, path)
     return path, False
 
 
 
 def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size: int, ep_size: int = 1,
-               layers: Iterable[int] | None = None, up_first: bool = False, device: str = "cpu",
+               layers: Iterable[int] | None = None, layout: ServerLayout = CANONICAL, device: str = "cpu",
                use_cache: bool = True, progress: Callable[[int], None] | None = None) -> dict:
     """`moetrace index`: the index at `output` (from the cache unless use_cache is False);
     returns the summary the command prints."""
     t0 = time.perf_counter()
     stats = IndexStats()
     if use_cache:
-        cached, reused = cached_index(checkpoint, tp_size, ep_size, layers, up_first, device, progress, stats)
+        cached, reused = cached_index(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats)
         path = copy_index(cached, output)
     else:
-        path, reused = write_index(build_index(checkpoint, tp_size, ep_size, layers, up_first, device, progress, stats),
+        path, reused = write_index(build_index(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats),
                                    output), False
     meta = index_metadata(path)
     return {
@@ -228,6 +231,7 @@ def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size
         "tp_size": tp_size,
         "ep_size": ep_size,
         "layers": meta["layers"],
+        "layout": meta["layout"],
         "reused_cache": reused,
         "seconds": round(time.perf_counter() - t0, 3),
         "bytes_fingerprinted": stats.bytes_fingerprinted,

@@ -194,6 +194,12 @@ class Checkpoint:
         if s.fmt == "fp8_block":
             bn, bk = s.block
             return SCALE_DTYPES, [(-(-out // bn), -(-inp // bk))], f"weight [{out}, {inp}] in blocks {list(s.block)}"
+        if s.fmt == "fp8_tensor":
+            why = f"one scale for weight [{out}, {inp}]"
+            if s.quant_method == "fp8":  # the old moetrace fp8_channel checkpoints land here
+                why += ("; fp8 without weight_block_size is per-tensor in SGLang, per-channel FP8 checkpoints are "
+                        "compressed-tensors with strategy channel")
+            return SCALE_DTYPES, [(), (1,)], why
         return SCALE_DTYPES, [(out, 1), (out,)], f"one scale per output channel of weight [{out}, {inp}]"
 
     def check(self, name: str) -> TensorInfo:
@@ -205,7 +211,7 @@ class Checkpoint:
         if want is not None:
             dtypes, shapes, why = want
             if t.dtype not in dtypes or t.shape not in shapes:
-                if t.dtype in dtypes and name.endswith("_scale_inv"):
+                if t.dtype in dtypes and self.spec.fmt == "fp8_block" and "_scale" in name:
                     problem = f"scale shape {list(t.shape)} does not match weight_block_size {list(self.spec.block)}"
                 else:
                     problem = f"found {t.dtype} {list(t.shape)}"

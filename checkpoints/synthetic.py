@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from moetrace.checkpoints.quant_config import QUANT_METHODS, scale_suffix
 from moetrace.checkpoints.spec import FAMILIES, FORMATS
 from moetrace.errors import MoetraceError
 
@@ -96,8 +97,35 @@ def _grid(n_rows: int, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.arange(n_rows).view(-1, 1), torch.arange(n_cols).view(1, -1)
 
 
+def _quant_config(fmt: str, quant_method: str, block: tuple[int, int], not_converted: list[str]) -> dict:
+    """quantization_config as the fp8 method or compressed-tensors writes it (checkpoints.quant_config)."""
+    if quant_method == "fp8":
+        quant = {"quant_method": "fp8", "fmt": "e4m3"}
+        if fmt == "fp8_block":
+            quant["weight_block_size"] = list(block)
+        return {**quant, "activation_scheme": "dynamic", "modules_to_not_convert": not_converted}
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+               "strategy": {"fp8_block": "block", "fp8_channel": "channel", "fp8_tensor": "tensor"}[fmt]}
+    inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+    if fmt == "fp8_block":
+        weights["block_structure"] = list(block)
+        inputs.update(strategy="group", group_size=block[1])
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs}},
+            "ignore": not_converted}
+
+
+def _scale_shape(fmt: str, quant_method: str, out_dim: int, in_dim: int, block: tuple[int, int]) -> tuple[int, ...]:
+    if fmt == "fp8_block":
+        return (-(-out_dim // block[0]), -(-in_dim // block[1]))
+    if fmt == "fp8_channel":
+        return (out_dim, 1)
+    return (1,) if quant_method == "compressed-tensors" else ()  # per tensor
+
+
 def _config(
-    family: str, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int, dense: int, block: int, seed: int
+    family: str, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int, dense: int,
+    quant: tuple[str, tuple[int, int]] | None, seed: int
 ) -> dict:
     text = {
         "hidden_size": hidden,
@@ -135,16 +163,9 @@ def _config(
         if family != "qwen3_moe":
             text["shared_expert_intermediate_size"] = inter
     prefix = "model.language_model" if family == "qwen3_5_moe" else "model"
-    quant = None
-    if fmt != "bf16":
-        quant = {"quant_method": "fp8", "fmt": "e4m3"}
-        if fmt == "fp8_block":
-            quant["weight_block_size"] = [block, block]
-        quant.update(
-            activation_scheme="dynamic",
-            modules_to_not_convert=["lm_head", f"{prefix}.embed_tokens"]
-            + [f"{prefix}.layers.{L}.mlp.gate" for L in range(dense, num_layers)],
-        )
+    if quant is not None:
+        not_converted = ["lm_head", f"{prefix}.embed_tokens"] + [f"{prefix}.layers.{L}.mlp.gate" for L in range(dense, num_layers)]
+        quant = _quant_config(fmt, quant[0], quant[1], not_converted)
     if family == "qwen3_5_moe":
         cfg = {
             "architectures": [arch],
@@ -173,12 +194,16 @@ def write_synthetic_checkpoint(
     scale_dtype: str = "bfloat16",
     num_files: int = 2,
     dense_layers: int = 0,
-    block: int = 128,
+    block: int | tuple[int, int] = 128,
     seed: int = 0,
     fused: bool = False,
+    quant_method: str | None = None,
 ) -> Path:
     """Write a checkpoint directory (config.json + safetensors) and return its path.
 
+    fmt: fp8_block, fp8_channel, fp8_tensor or bf16; quant_method: "fp8" or
+    "compressed-tensors" (default: compressed-tensors for fp8_channel, which is how
+    per-channel FP8 ships, else fp8); block: block_n = block_k, or (block_n, block_k).
     Layers [0, dense_layers) are dense (first_k_dense_replace for DeepSeek,
     mlp_only_layers for Qwen). fused=True writes the 3-D BF16 expert layout
     (mlp.experts.gate_up_proj / down_proj) instead of per-expert tensors; its
@@ -189,11 +214,19 @@ def write_synthetic_checkpoint(
     """
     from safetensors.torch import save_file  # writer-only dependency path
 
+    quant_method = quant_method or (None if fmt == "bf16" else "compressed-tensors" if fmt == "fp8_channel" else "fp8")
+    block = (block, block) if isinstance(block, int) else tuple(block)
     checks = [
+        (fmt == "bf16" or quant_method in QUANT_METHODS,
+         f"--quant-method must be one of {', '.join(QUANT_METHODS)}, got {quant_method!r}"),
+        (not (fmt == "fp8_channel" and quant_method == "fp8"),
+         "--format fp8_channel needs --quant-method compressed-tensors: fp8 without weight_block_size means "
+         "per-tensor scales (use --format fp8_tensor)"),
+        (fmt != "bf16" or quant_method is None, f"--quant-method {quant_method} needs an FP8 --format"),
         (family in FAMILIES, f"--family must be one of {', '.join(FAMILIES)}, got {family!r}"),
         (fmt in FORMATS, f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}"),
         (scale_dtype in SCALE_DTYPES, f"--scale-dtype must be one of {', '.join(SCALE_DTYPES)}, got {scale_dtype!r}"),
-        (min(num_layers, num_experts, hidden, intermediate, num_files, block) >= 1,
+        (min(num_layers, num_experts, hidden, intermediate, num_files, *block) >= 1,
          "--layers, --experts, --hidden, --intermediate, --files and block must be >= 1"),
         (0 <= dense_layers < num_layers,
          f"--dense-layers {dense_layers} must be in [0, --layers {num_layers}) so at least one layer is MoE"),
@@ -240,11 +273,11 @@ def write_synthetic_checkpoint(
                     name = f"{pre}.mlp.experts.{e}.{proj}_proj"
                     out_dim, in_dim = (H, I) if p == 2 else (I, H)
                     tensors[f"{name}.weight"] = expert_weight(L, e, p)
-                    if fmt == "fp8_block":
-                        shape = (-(-out_dim // block), -(-in_dim // block))
-                        tensors[f"{name}.weight_scale_inv"] = synthetic_values(L, e, p, *_grid(*shape), "scale", sdt, seed)
-                    elif fmt == "fp8_channel":
-                        tensors[f"{name}.weight_scale"] = synthetic_values(L, e, p, *_grid(out_dim, 1), "scale", sdt, seed)
+                    if fmt != "bf16":
+                        shape = _scale_shape(fmt, quant_method, out_dim, in_dim, block)
+                        grid = _grid(*shape) if len(shape) == 2 else (torch.zeros(shape, dtype=torch.int64),) * 2
+                        scale = synthetic_values(L, e, p, *grid, "scale", sdt, seed)
+                        tensors[f"{name}.{scale_suffix(fmt, quant_method)}"] = scale
         if family == "deepseek_v3":
             tensors[f"{pre}.mlp.gate.e_score_correction_bias"] = torch.zeros(E)
             shared = f"{pre}.mlp.shared_experts"
@@ -269,7 +302,7 @@ def write_synthetic_checkpoint(
     tensors["lm_head.weight"] = filler(16, H)
 
     out.mkdir(parents=True, exist_ok=True)
-    cfg = _config(family, fmt, num_layers, E, H, I, dense_layers, block, seed)
+    cfg = _config(family, fmt, num_layers, E, H, I, dense_layers, None if fmt == "bf16" else (quant_method, block), seed)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if num_files == 1:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

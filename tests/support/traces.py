@@ -31,7 +31,7 @@ import torch
 from moetrace.checkpoints.index import write_index
 from moetrace.checkpoints.index_build import build_index
 from moetrace.checkpoints.reader import open_checkpoint
-from moetrace.checkpoints.shards import Parallel, expected_layer
+from moetrace.checkpoints.shards import Parallel, expected_layer, tensor_names
 from moetrace.fingerprint import CHUNK_BYTES, Fingerprint, fingerprint, n_chunks_for
 from moetrace.schema import COPY_ORDERS, TRACE_SCHEMA, RankIdentity, dtype_name
 from moetrace import storage
@@ -53,7 +53,7 @@ class CheckpointModel:
         self.num_experts = self.spec.num_experts
         self.layer_ids = list(self.spec.moe_layers)
         self.checkpoint_id = self.ckpt.identity
-        self.tensors = COPY_ORDERS[self.spec.fmt]
+        self.tensors = tensor_names(self.spec)
         self._layers: dict = {}
         self._digests: dict = {}
 
