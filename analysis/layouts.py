@@ -69,7 +69,7 @@ def layout_of_runs(runs, fmt: str, intermediate_size: int) -> TraceLayout:
         desc = "; ".join(f"{where}: {layout.describe()}" for layout, (where, _) in found.items())
         raise MoetraceError(f"the trace records more than one expert layout ({desc}); one index reproduces one "
                             "layout: analyze these ranks or layers separately")
-    if not facts_by_key:
+    if not facts_by_key and any("layout_schema" not in rm.manifest for run in runs for rm in run.ranks.values()):
         warnings.append("the trace records no layout facts (written by a moetrace before layouts were recorded): "
                         "compared as gate rows first, unpadded")
     layout = next(iter(found), CANONICAL)

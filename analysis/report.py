@@ -17,6 +17,7 @@ from moetrace import __version__
 from moetrace.analysis.coverage import Analysis
 from moetrace.analysis.expected import IndexData, read_expected
 from moetrace.analysis.grid import Grid, build_grid
+from moetrace.analysis.layouts import TraceLayout, check_params, layout_of_runs, recorded_facts
 from moetrace.analysis.sentences import fmt_int, row_doc, sentence
 from moetrace.analysis.summaries import load_summaries
 from moetrace.analysis.trace import TraceData, read_trace
@@ -301,21 +302,40 @@ def check_checkpoint(data: TraceData, checkpoint: str) -> None:
             raise MoetraceError(_checkpoint_mismatch(checkpoint, identity, run))
 
 
-def resolve_index(data: TraceData, index: str | None, checkpoint: str | None) -> str:
-    """The index to compare with: --index as given, or the cached index of --checkpoint
-    for the trace's TP/EP layout (built on first use)."""
+def resolve_index(data: TraceData, index: str | None, checkpoint: str | None) -> tuple[str, TraceLayout | None]:
+    """The index to compare with, and the trace's layout: --index as given, or the cached
+    index of --checkpoint for the trace's TP/EP sizes and recorded layout (built on first use)."""
     if index and checkpoint:
         raise MoetraceError("pass --index or --checkpoint, not both")
     if index:
-        return index
+        return index, None
     if not checkpoint:
         raise MoetraceError("pass --index FILE or --checkpoint CKPT so the trace can be compared with the expected shards")
-    layouts = {(r.tp_size, r.ep_size) for r in data.runs}
-    if len(layouts) != 1:
-        raise MoetraceError(f"runs use several TP/EP layouts {sorted(layouts)}; analyze them separately")
-    (tp, ep), = layouts
+    sizes = {(r.tp_size, r.ep_size) for r in data.runs}
+    if len(sizes) != 1:
+        raise MoetraceError(f"runs use several TP/EP layouts {sorted(sizes)}; analyze them separately")
+    (tp, ep), = sizes
     check_checkpoint(data, checkpoint)
-    return str(cached_index(checkpoint, tp, ep)[0])
+    spec = open_checkpoint(checkpoint).spec
+    trace_layout = layout_of_runs(data.runs, spec.fmt, spec.intermediate_size)
+    return str(cached_index(checkpoint, tp, ep, layout=trace_layout.layout)[0]), trace_layout
+
+
+def check_index_layout(data: TraceData, idx: IndexData, trace_layout: TraceLayout | None) -> TraceLayout:
+    """The index must reproduce the layout the trace recorded, and hold what the server holds."""
+    if trace_layout is None:
+        if (idx.fmt is None or idx.intermediate_size is None) and recorded_facts(data.runs):
+            raise MoetraceError(f"index {idx.path} does not say its format and intermediate size, which the trace's "
+                                "layout facts need; rebuild it with `moetrace index`")
+        trace_layout = layout_of_runs(data.runs, idx.fmt, idx.intermediate_size or 0)
+        if trace_layout.layout != idx.layout:
+            raise MoetraceError(
+                f"index {idx.path} was built for {idx.layout.describe()}, but the trace records "
+                f"{trace_layout.layout.describe()}; pass --checkpoint CKPT so moetrace builds the matching index, or "
+                "rebuild it with `moetrace index CKPT --layout-from TRACE`"
+            )
+    check_params(trace_layout, idx.held or {})
+    return trace_layout
 
 
 def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | None = None,
@@ -327,7 +347,11 @@ def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | No
     if data.n == 0:
         why = f"; {len(data.skipped_parts)} unreadable part(s) skipped, first {data.skipped_parts[0][0]}" if data.skipped_parts else ""
         raise MoetraceError(f"trace {', '.join(paths)} holds no rows: nothing was captured{why}")
-    index_path = resolve_index(data, index, checkpoint)
+    index_path, trace_layout = resolve_index(data, index, checkpoint)
     idx = read_expected(index_path, data.tensors, data.dtypes)
     check_layout(data, idx, checkpoint=None if index else checkpoint)
-    return build_report(Analysis(data, idx, index_path), list(paths), max_rows=max_rows)
+    trace_layout = check_index_layout(data, idx, trace_layout)
+    report = build_report(Analysis(data, idx, index_path), list(paths), max_rows=max_rows)
+    report.doc["inputs"]["layout"] = idx.layout.to_json()
+    report.doc["warnings"] = list(report.doc.get("warnings") or []) + trace_layout.warnings
+    return report

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from moetrace.hooks import weight_events
+from moetrace.hooks.layout import layout_facts
 from moetrace.hooks.ranks import module_ranks
 from moetrace.tracer.capture import Tracer, cuda_graph_capturing
 from moetrace.schema import TENSOR_NAMES
@@ -105,6 +106,7 @@ class FusedMoECapture:
             epoch = None
             if tr.config.resident_cache and how == "ep-rank" and weight_events.watch_params(tensors):
                 epoch = weight_events.epoch()
+            tr.record_layout(self.source, layer, layout_facts(module))
             tr.capture(tensors, layer=layer, source=self.source, step=step, experts=experts,
                        local_experts=local, positions=local, ranks=ranks, weights_epoch=epoch)
         except Exception as err:

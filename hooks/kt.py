@@ -26,6 +26,7 @@ import sys
 import threading
 
 from moetrace.hooks.fused_moe import expert_tensors
+from moetrace.hooks.layout import kt_format, layout_facts
 from moetrace.hooks.ranks import module_ranks
 from moetrace.tracer.capture import Tracer
 
@@ -38,6 +39,8 @@ KT_MODULES = (
     "sglang.srt.layers.moe.kt_ep_wrapper",
 )
 GPU_COPIED = -1
+# Staged formats whose tensors are not FP8/BF16 shards (hooks.layout.kt_format): skipped with a note.
+UNCAPTURED_KT_FORMATS = ("int4", "mxfp4", "mxfp8")
 
 _ATTACHED: dict[type, "KTLoadCapture"] = {}
 _ATTACH_LOCK = threading.Lock()
@@ -161,6 +164,11 @@ class KTLoadCapture:
             if not tr.sampling.want(self.source, step, layer):
                 return
             gpu_layer = ctx.gpu_layer
+            fmt = kt_format(ctx)
+            if fmt in UNCAPTURED_KT_FORMATS:  # their payloads sit under FP8 names but are not FP8 shards
+                tr.note_once(f"KT {fmt} staged contexts are not captured (moetrace captures FP8 block/channel and "
+                             "BF16 staged layers; docs/compat.md)")
+                return
             tensors = expert_tensors(gpu_layer)
             if not tensors:
                 names = sorted(n for n, _ in gpu_layer.named_parameters()) if hasattr(gpu_layer, "named_parameters") else []
@@ -173,6 +181,7 @@ class KTLoadCapture:
                 tr.note_once("KT load signature without expert-order arguments: transport_position is the expert index")
             ranks = module_ranks(gpu_layer, tr.tp_rank, tr.tp_size)
             experts = list(range(n))
+            tr.record_layout(self.source, layer, layout_facts(gpu_layer, ctx))
             tr.capture(tensors, layer=layer, source=self.source, step=step, experts=experts,
                        local_experts=experts, positions=positions, ranks=ranks)
         except Exception as err:

@@ -3,7 +3,6 @@ KT staged loads, faults, hook-spec and launch."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -26,6 +25,7 @@ from moetrace.hooks.kt import GPU_COPIED, transport_positions
 from moetrace.hooks.launch import Launcher, build_command, expected_tp
 from moetrace.hooks.spec import DEFAULT_TARGETS, LEGACY_CUDA_GRAPH_FLAGS, SPLIT_CUDA_GRAPH_FLAGS, cuda_graph_flags, hook_spec
 from moetrace.tracer.manifest import read_manifests
+from support.sglang_source import load_hook_manager
 from support.traces import read_rows as read_trace
 
 CKPT = dict(num_layers=2, num_experts=8, hidden=128, intermediate=256, seed=3)
@@ -33,19 +33,6 @@ NAMES = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv
 
 
 # ----------------------------------------------------------------- helpers
-
-
-def load_hook_manager():
-    """SGLang's own hook_manager.py from the installed wheel (importing the
-    sglang package pulls GPU-only deps, so load the file itself)."""
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or spec.origin is None:
-        pytest.skip("sglang wheel not installed (make venv installs it with --no-deps)")
-    path = Path(spec.origin).parent / "srt" / "model_executor" / "hook_manager.py"
-    mod_spec = importlib.util.spec_from_file_location("sglang_hook_manager_under_test", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
 
 
 class FakeFusedMoE(nn.Module):

@@ -90,6 +90,7 @@ class Tracer:
         self.resident = ResidentCache()  # unchanged resident weights: fingerprinted once per version
         self.fingerprinted = 0  # tensors whose lanes were computed (any source)
         self._logged: set[str] = set()
+        self._layouts: dict[str, dict] = {}
         self._ranks_reported = False
         self.verifier, index_error = None, None
         if config.index:
@@ -257,6 +258,14 @@ class Tracer:
         limit = self.config.max_hook_errors
         if limit is not None and n >= limit and self.enabled:
             self.disable(f"{n} hook errors (max_hook_errors={limit})")
+
+    def record_layout(self, source: str, layer: int, facts: dict) -> None:
+        """Keep a layer's layout facts in the manifest (only when they change: the facts
+        are read at every capture, written once per layer unless the server changes them)."""
+        key = f"{source}:{int(layer)}"
+        if self._layouts.get(key) != facts:
+            self._layouts[key] = facts
+            self.sink.set_layout(key, facts)
 
     def note_once(self, message: str) -> None:
         if message not in self._logged:

@@ -21,6 +21,7 @@ from moetrace.fingerprint import CHUNK_BYTES, FP_VERSION
 from moetrace.schema import MANIFEST_SCHEMA_VERSION, TRACE_SCHEMA_VERSION
 
 MANIFEST_NAME = "_manifest.json"
+LAYOUT_SCHEMA_VERSION = 1  # the facts record under "layouts" (hooks.layout)
 RUN_MANIFEST_NAME = "_run.json"
 
 
@@ -102,6 +103,9 @@ def new_rank_manifest(run_id: str, tp_rank: int, tp_size: int, config: dict, che
         "online": {"match": 0, "mismatch": 0, "unchecked": 0},
         "dumps": {"count": 0, "bytes": 0, "skipped": 0, "files": []},
         "parts": [],
+        # Layout facts per captured layer, "<source>:<layer>" -> hooks.layout facts
+        "layout_schema": LAYOUT_SCHEMA_VERSION,
+        "layouts": {},
     }
 
 

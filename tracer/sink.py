@@ -169,6 +169,16 @@ class TraceSink:
             self._changes += 1
             self._m.update(fields)
 
+    def set_layout(self, key: str, facts: dict) -> None:
+        """Record a layer's layout facts under manifest["layouts"][key]; a change after
+        the first record replaces them and marks them "changed"."""
+        with self._lock:
+            layouts = self._m["layouts"]
+            if key in layouts:
+                facts = {**facts, "changed": True}
+            self._changes += 1
+            layouts[key] = facts
+
     def set_steps_seen(self, n: int) -> None:
         with self._lock:
             self._m["steps_seen"] = max(self._m["steps_seen"], n)

@@ -87,6 +87,13 @@ def _scaled_fp8_quant(x, scale=None, *args, **kwargs):
     return per_tensor_quant_kernel(x, scale), scale
 
 
+class _Logger:
+    """SGLang's logger has info_once / warning_once; these tests need no log."""
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
 def _marker(name: str) -> type:
     return type(name, (), {})
 
@@ -123,7 +130,7 @@ def build(root: str) -> types.SimpleNamespace:
         "QuantizationStrategy": QuantizationStrategy, "_use_xpu_moe_ld_padding": lambda *a: False,
         # kv-scale renames only; expert names pass through unchanged
         "QWEN3_5_KV_SCALE_MAPPER": types.SimpleNamespace(apply=lambda w: w),
-        "default_weight_loader": None, "logger": logging.getLogger("sglang-under-test"),
+        "default_weight_loader": None, "logger": _Logger(), "print_warning_once": lambda *a, **k: None,
     }
     fused_pkg = module("sglang.srt.layers.moe.fused_moe_triton")
     ns["__builtins__"] = guarded_builtins({
@@ -264,7 +271,9 @@ def post_load(o, layer) -> None:
     scheme = getattr(layer, "scheme", None)
     if scheme is not None:
         scheme.process_weights_after_loading(layer)
-    elif isinstance(layer.quant_method, o.Fp8MoEMethod):
+    elif isinstance(layer.quant_method, o.Fp8MoEMethod) and not layer.quant_method.block_quant:
+        # (block FP8 on CUDA: process_weights_after_loading_block_quant rewrites nothing unless
+        # DeepGEMM's UE8M0 requant runs, which flags the scales format_ue8m0)
         layer.quant_method.process_weights_after_loading(layer)
     elif isinstance(layer.quant_method, o.UnquantizedFusedMoEMethod):
         layer.quant_method._maybe_interleave_w13_for_fused_swiglu(layer)

@@ -33,6 +33,23 @@ def installed_root(dist: str, side_dir: str | Path | None = None) -> Path | None
     return root if (root / "sglang").is_dir() else None
 
 
+def load_hook_manager():
+    """SGLang's own srt/model_executor/hook_manager.py from the installed wheel (it
+    imports only the standard library and torch.nn, so the file runs as it is)."""
+    import importlib.util
+
+    root = installed_root("sglang")
+    if root is None:
+        import pytest
+
+        pytest.skip("sglang wheel not installed (make venv installs it with --no-deps)")
+    path = root / "sglang" / "srt" / "model_executor" / "hook_manager.py"
+    spec = importlib.util.spec_from_file_location("sglang_hook_manager_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def version_of(root: Path) -> str | None:
     for d in metadata.distributions(path=[str(root)]):
         if d.metadata["Name"] in ("sglang", "sglang-kt"):
