@@ -32,12 +32,25 @@ CASES = [
     ("qwen3_next", "fp8_channel", "bfloat16", {"num_files": 1}),
     ("qwen3_moe", "fp8_block", "bfloat16", {"intermediate": 512, "block": (128, 64)}),  # w2 scale columns by block_k
     ("deepseek_v3", "fp8_block", "float32", {"quant_method": "compressed-tensors"}),  # scales named weight_scale
-    ("qwen3_5_moe", "fp8_tensor", "float32", {}),
     ("qwen3_next", "fp8_tensor", "bfloat16", {"quant_method": "compressed-tensors", "num_files": 1}),
 ]  # fmt: skip
-# (tp, ep, up_first, I per rank padded to)
+
+
+def test_padded_rank_holds_its_rows_then_zeros(make_ckpt):
+    """flashinfer-trtllm pads I per rank to P: rank r holds rows [r*P, (r+1)*P) of I, zeros past I."""
+    kw = _kwargs("qwen3_moe", "fp8_block", "float32", {})
+    ckpt = open_checkpoint(make_ckpt(**kw))
+    p = Parallel(4, 1, ServerLayout(True, 128))
+    for tp_rank in (1, 2):  # rank 1: rows 128..255; rank 2: past I = 256, all zeros
+        experts, want = reference(kw, 1, 4, 1, True, tp_rank, 128)
+        got = expected_layer(ckpt, 1, tp_rank, p)
+        for name in want:
+            assert_same(got[name], want[name], f"rank {tp_rank} {name}")
+    assert not got["w13_weight"].view(torch.uint8).any() and got["w13_weight"].shape == (4, 256, 256)
+# (tp, ep, up_first, I per rank padded to); padding at every TP is checked against SGLang's
+# own loader in test_loader_oracle.py
 PARS = [(1, 1, False, None), (2, 1, False, None), (2, 1, True, None), (2, 2, False, None), (4, 1, False, None),
-        (4, 2, True, None), (4, 1, True, 128)]
+        (4, 2, True, None)]
 
 
 def _kwargs(fam, fmt, sdt, extra):

@@ -80,3 +80,12 @@ def test_rules_refuse_by_name():
     with pytest.raises(LayoutRefused, match="per-tensor FP8 scales beside up-first weights"):
         derive_layout({**BASE, "load_up_proj_weight_first": True}, "fp8_tensor", 256)
     assert derive_layout(None, "fp8_block", 256) == ServerLayout()  # traces from before layouts were recorded
+
+
+def test_fp8_requant_gpu_check_tells_cpu_semantics_apart():
+    """bench/check_fp8_requant.py is the GPU check of the requant's one CUDA assumption:
+    on CPU, torch keeps the fp32 scale, so the check must report a difference there."""
+    from check_fp8_requant import check  # bench/ is on sys.path (conftest)
+
+    doc = check("cpu", experts=64, seed=2, rows=64, cols=64)  # seed 2: some scales round differently in fp16
+    assert doc["differ"] > 0 and doc["matches_moetrace"] is False

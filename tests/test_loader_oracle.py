@@ -44,8 +44,9 @@ def fork_root():
     """sglang-kt installed --no-deps --target in a side directory of the venv
     (or $MOETRACE_FORK_PATH): the folder holding its sglang/ files."""
     env = os.environ.get("MOETRACE_FORK_PATH")
-    dirs = [env] if env else [os.path.dirname(p) for p in glob.glob(os.path.join(sys.prefix, "**", "sglang_kt-*.dist-info"),
-                                                                     recursive=True)]
+    found = [p for depth in ("*", os.path.join("*", "*"))
+             for p in glob.glob(os.path.join(sys.prefix, depth, "sglang_kt-*.dist-info"))]
+    dirs = [env] if env else [os.path.dirname(p) for p in found]
     for d in dirs:
         root = installed_root("sglang-kt", d)
         if root is not None:
