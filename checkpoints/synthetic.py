@@ -183,6 +183,34 @@ def _config(
     return cfg
 
 
+def _check_arguments(family, fmt, quant_method, block, scale_dtype, fused, sizes, dense_layers):
+    """The writer's options, checked (one-line errors naming the option); returns the
+    resolved (quant_method, (block_n, block_k))."""
+    num_layers = sizes[0]
+    quant_method = quant_method or (None if fmt == "bf16" else "compressed-tensors" if fmt == "fp8_channel" else "fp8")
+    block = (block, block) if isinstance(block, int) else tuple(block)
+    checks = [
+        (fmt == "bf16" or quant_method in QUANT_METHODS,
+         f"--quant-method must be one of {', '.join(QUANT_METHODS)}, got {quant_method!r}"),
+        (not (fmt == "fp8_channel" and quant_method == "fp8"),
+         "--format fp8_channel needs --quant-method compressed-tensors: fp8 without weight_block_size means "
+         "per-tensor scales (use --format fp8_tensor)"),
+        (fmt != "bf16" or quant_method is None, f"--quant-method {quant_method} needs an FP8 --format"),
+        (family in FAMILIES, f"--family must be one of {', '.join(FAMILIES)}, got {family!r}"),
+        (fmt in FORMATS, f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}"),
+        (scale_dtype in SCALE_DTYPES, f"--scale-dtype must be one of {', '.join(SCALE_DTYPES)}, got {scale_dtype!r}"),
+        (min(*sizes, *block) >= 1,
+         "--layers, --experts, --hidden, --intermediate, --files and block must be >= 1"),
+        (0 <= dense_layers < num_layers,
+         f"--dense-layers {dense_layers} must be in [0, --layers {num_layers}) so at least one layer is MoE"),
+        (not fused or fmt == "bf16", f"--fused writes the BF16 3-D layout; it needs --format bf16, got {fmt}"),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            raise MoetraceError(message)
+    return quant_method, block
+
+
 def write_synthetic_checkpoint(
     out_dir: str | Path,
     family: str = "qwen3_5_moe",
@@ -214,27 +242,8 @@ def write_synthetic_checkpoint(
     """
     from safetensors.torch import save_file  # writer-only dependency path
 
-    quant_method = quant_method or (None if fmt == "bf16" else "compressed-tensors" if fmt == "fp8_channel" else "fp8")
-    block = (block, block) if isinstance(block, int) else tuple(block)
-    checks = [
-        (fmt == "bf16" or quant_method in QUANT_METHODS,
-         f"--quant-method must be one of {', '.join(QUANT_METHODS)}, got {quant_method!r}"),
-        (not (fmt == "fp8_channel" and quant_method == "fp8"),
-         "--format fp8_channel needs --quant-method compressed-tensors: fp8 without weight_block_size means "
-         "per-tensor scales (use --format fp8_tensor)"),
-        (fmt != "bf16" or quant_method is None, f"--quant-method {quant_method} needs an FP8 --format"),
-        (family in FAMILIES, f"--family must be one of {', '.join(FAMILIES)}, got {family!r}"),
-        (fmt in FORMATS, f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}"),
-        (scale_dtype in SCALE_DTYPES, f"--scale-dtype must be one of {', '.join(SCALE_DTYPES)}, got {scale_dtype!r}"),
-        (min(num_layers, num_experts, hidden, intermediate, num_files, *block) >= 1,
-         "--layers, --experts, --hidden, --intermediate, --files and block must be >= 1"),
-        (0 <= dense_layers < num_layers,
-         f"--dense-layers {dense_layers} must be in [0, --layers {num_layers}) so at least one layer is MoE"),
-        (not fused or fmt == "bf16", f"--fused writes the BF16 3-D layout; it needs --format bf16, got {fmt}"),
-    ]  # fmt: skip
-    for ok, message in checks:
-        if not ok:
-            raise MoetraceError(message)
+    quant_method, block = _check_arguments(family, fmt, quant_method, block, scale_dtype, fused,
+                                           (num_layers, num_experts, hidden, intermediate, num_files), dense_layers)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MoetraceError(f"{out}: output path exists and is not an empty directory")

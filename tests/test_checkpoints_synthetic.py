@@ -140,3 +140,18 @@ def test_cli_make_checkpoint(tmp_path):
 
     res = CliRunner().invoke(main, ["make-checkpoint", "--help"])
     assert res.exit_code == 0 and "Example:" in res.output
+
+
+def test_make_checkpoint_formats_from_the_cli(tmp_path):
+    from moetrace.checkpoints.reader import open_checkpoint
+
+    run = CliRunner().invoke
+    args = ["make-checkpoint", "--layers", "1", "--experts", "2", "--hidden", "64", "--intermediate", "128", "--files", "1"]
+    assert run(main, args + ["--quant-method", "compressed-tensors", "--block", "64,32", "-o", str(tmp_path / "ct")]).exit_code == 0
+    s = open_checkpoint(tmp_path / "ct").spec
+    assert (s.fmt, s.block, s.quant_method, s.scale_suffix) == ("fp8_block", (64, 32), "compressed-tensors", "weight_scale")
+    assert run(main, args + ["--format", "fp8_tensor", "-o", str(tmp_path / "pt")]).exit_code == 0
+    assert open_checkpoint(tmp_path / "pt").spec.fmt == "fp8_tensor"
+    bad = run(main, args + ["--format", "fp8_channel", "--quant-method", "fp8", "-o", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "fp8 without weight_block_size means per-tensor scales" in bad.output
+    assert run(main, args + ["--block", "a,b", "-o", str(tmp_path / "y")]).exit_code == 2
