@@ -145,8 +145,11 @@ def oracle():
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MOETRACE_CACHE", str(tmp_path_factory.getbasetemp() / "compat-index-cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # KB-sized layers: thread hand-offs would cost more than the work
     yield
     sglang_hook.close_all(timeout=10)
+    torch.set_num_threads(threads)
 
 
 def _layers(o, row: Row, ckpt) -> dict[int, torch.nn.Module]:
