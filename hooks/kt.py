@@ -54,16 +54,20 @@ def _ids(value) -> list[int]:
 
 # How SharedFullContext.load moves each format's experts: "all-staged" (through the
 # host slots, in id order) or "resident-first" (GPU-mask experts device-to-device).
-STAGING = {"fp8_block": "all-staged", "fp8_channel": "all-staged", "bf16": "resident-first"}
+# (INT4: _prepare_weight_int4's full CPU pipeline; MXFP8 -> _prepare_weight_fp8 with
+# original_layer=None; MXFP4 passes original_layer. Those three are not captured.)
+STAGING = {"fp8_block": "all-staged", "fp8_channel": "all-staged", "bf16": "resident-first",
+           "int4": "all-staged", "mxfp8": "all-staged", "mxfp4": "resident-first"}
 
 
 def staged_format(ctx, tensors: dict) -> str | None:
-    """The expert format of a staged context: "fp8_block" | "fp8_channel" | "bf16",
-    None when unknown. The fork's own flags win where present (MXFP4 and MXFP8 stage
-    FP8-block tensor names with other bytes); recognising INT4/MXFP4/MXFP8 contexts
-    (and their rows in STAGING) is issue 11's: add them here."""
-    if any(getattr(ctx, f"_is_{f}_quant", False) for f in ("mxfp4", "mxfp8")):
-        return None
+    """The expert format of a staged context: "fp8_block" | "fp8_channel" | "bf16" |
+    "int4" | "mxfp4" | "mxfp8", None when unknown. The fork's own dispatch flags win
+    where present (hooks.layout.kt_format: MXFP4 and MXFP8 stage FP8-block tensor names
+    with other bytes, INT4 is load()'s fall-through); otherwise the tensor names."""
+    fmt = kt_format(ctx)
+    if fmt is not None:
+        return fmt
     if "w13_weight_scale_inv" in tensors:
         return "fp8_block"
     if "w13_weight_scale" in tensors:
@@ -164,19 +168,19 @@ class KTLoadCapture:
             if not tr.sampling.want(self.source, step, layer):
                 return
             gpu_layer = ctx.gpu_layer
-            fmt = kt_format(ctx)
+            tensors = expert_tensors(gpu_layer)
+            fmt = staged_format(ctx, tensors)
             if fmt in UNCAPTURED_KT_FORMATS:  # their payloads sit under FP8 names but are not FP8 shards
                 tr.note_once(f"KT {fmt} staged contexts are not captured (moetrace captures FP8 block/channel and "
                              "BF16 staged layers; docs/compat.md)")
                 return
-            tensors = expert_tensors(gpu_layer)
             if not tensors:
                 names = sorted(n for n, _ in gpu_layer.named_parameters()) if hasattr(gpu_layer, "named_parameters") else []
                 tr.note_once(f"staged layer holds no FP8/BF16 FusedMoE tensors ({', '.join(names) or 'none'}): "
                              "staged capture skipped for this format")
                 return
             n = next(iter(tensors.values())).shape[0]
-            positions, how = transport_positions(n, a, staged_format(ctx, tensors))
+            positions, how = transport_positions(n, a, fmt)
             if how == "expert-index":
                 tr.note_once("KT load signature without expert-order arguments: transport_position is the expert index")
             ranks = module_ranks(gpu_layer, tr.tp_rank, tr.tp_size)

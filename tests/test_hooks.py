@@ -275,8 +275,10 @@ def test_staged_format_from_tensors_and_fork_flags():
     assert staged_format(plain, {"w13_weight": 0, "w13_weight_scale_inv": 0}) == "fp8_block"
     assert staged_format(plain, {"w13_weight": 0, "w13_weight_scale": 0}) == "fp8_channel"
     assert staged_format(plain, {"w13_weight": 0, "w2_weight": 0}) == "bf16"
-    mxfp4 = SimpleNamespace(_is_mxfp4_quant=True)  # FP8-block names, other bytes: not known here
-    assert staged_format(mxfp4, {"w13_weight": 0, "w13_weight_scale_inv": 0}) is None
+    mxfp4 = SimpleNamespace(_is_mxfp4_quant=True)  # FP8-block names, other bytes: the fork's flag wins
+    assert staged_format(mxfp4, {"w13_weight": 0, "w13_weight_scale_inv": 0}) == "mxfp4"
+    int4 = SimpleNamespace(_is_mxfp4_quant=False, _is_fp8_quant=False, _is_bf16_quant=False)  # load()'s fall-through
+    assert staged_format(int4, {"w13_weight_scale": 0, "w2_weight_scale": 0}) == "int4"
 
 
 def test_kt_staged_load_capture_via_factory(make_ckpt, index, tmp_path, monkeypatch):
