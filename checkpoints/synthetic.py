@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from moetrace import storage
 from moetrace.checkpoints.spec import FAMILIES, FORMATS
 from moetrace.errors import MoetraceError
 
@@ -203,8 +204,9 @@ def write_synthetic_checkpoint(
         if not ok:
             raise MoetraceError(message)
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MoetraceError(f"{out}: output path exists and is not an empty directory")
+    storage.check_output(str(out), "-o", kind="dir")
+    if out.exists() and any(out.iterdir()):
+        raise MoetraceError(f"-o {out}: output path exists and is not an empty directory")
 
     prefix = "model.language_model" if family == "qwen3_5_moe" else "model"
     H, I, E = hidden, intermediate, num_experts
@@ -268,12 +270,17 @@ def write_synthetic_checkpoint(
         tensors["model.visual.blocks.0.mlp.experts.0.gate_proj.weight"] = filler(8, 8)
     tensors["lm_head.weight"] = filler(16, H)
 
-    out.mkdir(parents=True, exist_ok=True)
     cfg = _config(family, fmt, num_layers, E, H, I, dense_layers, block, seed)
+    with storage.new_local_dir(str(out), "-o") as tmp:  # whole or nothing: never a folder with only config.json
+        _write_files(Path(tmp), cfg, tensors, num_files, save_file)
+    return out
+
+
+def _write_files(out: Path, cfg: dict, tensors: dict[str, torch.Tensor], num_files: int, save_file) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if num_files == 1:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return out
+        return
     files = [f"model-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
     weight_map = {name: files[(i + i // 5) % num_files] for i, name in enumerate(tensors)}
     for fname in files:
@@ -284,4 +291,3 @@ def write_synthetic_checkpoint(
         "weight_map": dict(sorted(weight_map.items())),
     }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return out
