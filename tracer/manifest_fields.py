@@ -58,6 +58,7 @@ RANK_MANIFEST_FIELDS: dict[str, str] = {
     "rows_dropped": "count",
     "drops": "dict",
     "rows_after_close": "count",
+    "resident_reused": "count",
     "hook_errors": "count",
     "sink_errors": "count",
     "errors": "list",
