@@ -31,6 +31,9 @@ def runs(small_model, tmp_path_factory):
     return out
 
 
+TINY = ["--layers", "1", "--experts", "2", "--hidden", "128", "--intermediate", "128"]  # make-checkpoint, cheap
+
+
 def cli(*args, env=None):
     return CliRunner().invoke(main, [str(a) for a in args], env=env)
 
@@ -155,7 +158,7 @@ def test_a_launch_command_that_does_not_split_is_one_line(small_index, tmp_path)
 
 def test_unwritable_outputs_are_one_line(small_model, unwritable, tmp_path):
     one_line(cli("index", small_model.path, "--tp", "2", "-o", unwritable / "x" / "index.parquet"), 2, f"-o {unwritable}")
-    one_line(cli("make-checkpoint", "-o", unwritable / "ckpt"), 2, f"-o {unwritable / 'ckpt'}: cannot write")
+    one_line(cli("make-checkpoint", *TINY, "-o", unwritable / "ckpt"), 2, f"-o {unwritable / 'ckpt'}: cannot write")
     r = cli("index", small_model.path, "--tp", "2", "-o", tmp_path / "i.parquet", env={"MOETRACE_CACHE": str(unwritable)})
     one_line(r, 2, f"MOETRACE_CACHE {unwritable}", "--no-cache")
     assert not (tmp_path / "i.parquet").exists()
@@ -184,7 +187,7 @@ def _full_disk():
 def test_nothing_is_left_half_written_on_a_full_disk(runs, small_index, tmp_path):
     report, ckpt = tmp_path / "audit.json", tmp_path / "ckpt"
     commands = [["audit", str(runs / "good"), "--index", small_index, "--json-out", str(report)],
-                ["make-checkpoint", "-o", str(ckpt)]]
+                ["make-checkpoint", *TINY, "-o", str(ckpt)]]
     proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(commands)], capture_output=True, text=True,
                           preexec_fn=_full_disk, timeout=300)
     codes = json.loads(proc.stdout.strip().splitlines()[-1])
