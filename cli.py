@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import click
@@ -12,7 +13,10 @@ from moetrace.errors import MoetraceError
 
 
 class _Group(click.Group):
-    """Turns MoetraceError into one line on stderr and its exit code: no traceback."""
+    """Every failure is one line on stderr and a non-zero exit, never a traceback:
+    MoetraceError with its exit code, a usage error with 2, any unexpected error with 2
+    (1 is reserved for "divergence found"), Ctrl-C with 130. MOETRACE_DEBUG=1 re-raises
+    unexpected errors, for the traceback."""
 
     def invoke(self, ctx):
         try:
@@ -24,13 +28,32 @@ class _Group(click.Group):
             where = err.ctx.command_path if err.ctx is not None else "moetrace"
             msg = " ".join(err.format_message().split())
             click.echo(f"moetrace: error: {msg} (see '{where} --help')", err=True)
-            sys.exit(err.exit_code)
+            sys.exit(2)
+        except (click.exceptions.Exit, click.Abort):
+            raise
+        except click.ClickException as err:
+            click.echo(f"moetrace: error: {' '.join(err.format_message().split())}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("moetrace: interrupted", err=True)
+            sys.exit(130)
+        except Exception as err:
+            if os.environ.get("MOETRACE_DEBUG"):
+                raise
+            why = " ".join(str(err).split()) or "no message"
+            click.echo(f"moetrace: error: unexpected {type(err).__name__}: {why} "
+                       "(a moetrace bug: please report it; MOETRACE_DEBUG=1 shows the traceback)", err=True)
+            sys.exit(2)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="moetrace")
 def main() -> None:
     """Trace MoE expert weights from checkpoint to GPU and find where they diverge."""
+
+
+def _stderr(message: str) -> None:
+    click.echo(message, err=True)
 
 
 # Commands register themselves below, one section per area of the data flow.
@@ -56,7 +79,7 @@ def main() -> None:
 @click.option("--dense-layers", type=int, default=0, show_default=True,
               help="Leading dense layers (first_k_dense_replace / mlp_only_layers).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Changes every value (synthetic_values seed).")
-@click.option("-o", "--out", type=click.Path(file_okay=False), required=True, help="New or empty output directory.")
+@click.option("-o", "--out", required=True, help="New or empty output directory (written whole or not at all).")
 @click.option("--json", "as_json", is_flag=True, help='Print {"path": ..., "identity": ...} instead of the path.')
 def make_checkpoint(family, fmt, quant_method, block, fused, layers, experts, hidden, intermediate, scale_dtype, files,
                     dense_layers, seed, out, as_json) -> None:  # fmt: skip
@@ -240,6 +263,15 @@ def hook_spec_cmd(pretty, **kw):
     click.echo(json.dumps(spec, indent=2 if pretty else None))
 
 
+def _stop_options(f):
+    """Options of every command that launches a server: run-id reuse and how it is stopped."""
+    f = click.option("--stop-grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
+                     help="Seconds the server's process group gets after the stop signal before it is killed "
+                          "(a second Ctrl-C kills at once).")(f)
+    return click.option("--replace", is_flag=True,
+                        help="Delete an existing OUT/<run_id> first; without it a used run id is refused.")(f)
+
+
 @main.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @_capture_options
 @click.option("--sglang-version", default=None,
@@ -248,8 +280,9 @@ def hook_spec_cmd(pretty, **kw):
               help="Do not add the flags that disable CUDA graphs (hooks then miss graph-replayed steps).")
 @click.option("--close-timeout", type=click.FloatRange(min=0), default=20.0, show_default=True,
               help="Seconds to wait for the ranks to close their traces before stopping the server.")
+@_stop_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
-def launch_cmd(sglang_version, keep_cuda_graph, close_timeout, server_cmd, **kw):
+def launch_cmd(sglang_version, keep_cuda_graph, close_timeout, replace, stop_grace, server_cmd, **kw):
     """Run an SGLang server with capture on; finalize the trace when it exits.
 
     Appends the moetrace --forward-hooks entry and the CUDA-graph flags for the
@@ -269,7 +302,8 @@ def launch_cmd(sglang_version, keep_cuda_graph, close_timeout, server_cmd, **kw)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     launcher = Launcher(cmd, config, sglang_version=sglang_version, disable_cuda_graph=not keep_cuda_graph,
-                        close_timeout_s=close_timeout, echo=lambda m: click.echo(m, err=True), targets=targets or DEFAULT_TARGETS)
+                        close_timeout_s=close_timeout, stop_grace_s=stop_grace, replace=replace, echo=_stderr,
+                        targets=targets or DEFAULT_TARGETS)
     sys.exit(launcher.run())
 
 
@@ -310,15 +344,17 @@ def analyze_cmd(**kw):
     or a pyarrow filesystem URL. Verdicts: match, stale (E+k), wrong_rank,
     wrong_layer, wrong_tensor, zeros, constant, torn, unknown, unexpected, and
     per load missing. Exit 0 when the analysis ran (findings are printed),
-    2 on unusable input. docs/analysis.md explains every verdict.
+    2 on unusable input, 3 when a report file could not be written.
+    docs/analysis.md explains every verdict and exit code.
 
     \b
     Example:
       moetrace analyze /data/traces/unfenced --index index.parquet --plot grid.png
     """
-    from moetrace.jobs.audit import run_analysis
+    from moetrace.jobs.audit import EXIT_PASS, exit_code, run_analysis
 
-    run_analysis("analyze", _analysis_opts(kw), click.echo)
+    _, written = run_analysis("analyze", _analysis_opts(kw), click.echo, warn=_stderr)
+    sys.exit(exit_code(EXIT_PASS, written))
 
 
 def _analysis_opts(kw: dict):
@@ -356,7 +392,7 @@ def _launch_options(f):
     ]
     for opt in reversed(opts):
         f = opt(f)
-    return f
+    return _stop_options(f)
 
 
 @main.command("audit")
@@ -376,7 +412,9 @@ def audit_cmd(**kw):
       2  incomplete or unusable: nothing captured, rows dropped, hook/sink
          errors, a rank missing, a manifest not finished, an unreadable part,
          an expected entry not captured, a checkpoint/TP/EP mismatch, or (with
-         --launch) a server that never became healthy or failed requests
+         --launch) a server that never became healthy or failed requests; also
+         any error, expected or not (one line on stderr)
+      3  the verdict was a pass but a report file could not be written
 
     \b
     Examples:
@@ -394,9 +432,10 @@ def audit_cmd(**kw):
                           ready_timeout_s=kw["ready_timeout"])
         hook_config = _json_object(kw["hook_config"], "--hook-config") if kw["hook_config"] else {}
         launch = LaunchOptions(command=kw["launch_cmd"], out=kw["out"], run_id=kw["run_id"], traffic=traffic,
-                               base_url=kw["base_url"], hook_config=hook_config, sglang_version=kw["sglang_version"])
-    progress = (lambda m: None) if opts.as_json else (lambda m: click.echo(m, err=True))
-    sys.exit(run_audit(opts, launch, click.echo, progress))
+                               base_url=kw["base_url"], hook_config=hook_config, sglang_version=kw["sglang_version"],
+                               replace=kw["replace"], stop_grace_s=kw["stop_grace"])
+    progress = (lambda m: None) if opts.as_json else _stderr
+    sys.exit(run_audit(opts, launch, click.echo, progress, warn=_stderr))
 
 
 @main.command("diff")

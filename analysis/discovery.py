@@ -21,7 +21,7 @@ from moetrace import storage
 from moetrace.errors import MoetraceError
 from moetrace.fingerprint import FP_VERSION
 from moetrace.schema import MANIFEST_SCHEMA_VERSION, parse_ids
-from moetrace.tracer.manifest import MANIFEST_NAME, RUN_MANIFEST_NAME
+from moetrace.tracer.manifest import MANIFEST_NAME, RUN_MANIFEST_NAME, check_rank_manifest, check_run_manifest
 
 RANK_DIR = re.compile(r"^rank=(\d+)$")
 PART_FILE = re.compile(r"^part-\d+\.parquet$")
@@ -42,7 +42,10 @@ class RankManifest:
     rank: int
     path: str
     manifest: dict
-    parts: list[str]
+    parts: list[str]  # the part files its manifest lists and the folder holds: the only ones read
+    part_rows: dict[str, int] = field(default_factory=dict)  # part path -> rows its manifest lists
+    unlisted_parts: list[str] = field(default_factory=list)  # in the folder, not in the manifest: never read
+    absent_parts: list[str] = field(default_factory=list)  # in the manifest, not in the folder
 
     @property
     def finished(self) -> bool:
@@ -184,38 +187,84 @@ def _read_json(fs: pafs.FileSystem, path: str, what: str) -> dict:
     return doc
 
 
+def _rank_manifest(fs: pafs.FileSystem, rd: RankDir) -> RankManifest:
+    """A rank folder's manifest, read strictly (tracer.manifest_fields), with its parts
+    split into the listed ones found, the unlisted ones and the listed ones absent."""
+    if rd.manifest_path is None:
+        raise MoetraceError(
+            f"{rd.display} has no {MANIFEST_NAME}: the tracer never started there or the folder is incomplete"
+        )
+    m = check_rank_manifest(_read_json(fs, rd.manifest_path, "manifest"), rd.manifest_path)
+    ver = m["schema_version"]
+    if ver != MANIFEST_SCHEMA_VERSION:
+        raise MoetraceError(
+            f"manifest {rd.manifest_path} has schema_version {ver!r}; this moetrace reads version {MANIFEST_SCHEMA_VERSION}"
+        )
+    if m["fp_version"] != FP_VERSION:
+        raise MoetraceError(
+            f"manifest {rd.manifest_path} has fingerprint version {m['fp_version']!r}; this moetrace "
+            f"computes version {FP_VERSION}: capture the trace again with this moetrace"
+        )
+    if m["tp_rank"] != rd.rank:
+        raise MoetraceError(f"manifest {rd.manifest_path} says tp_rank {m['tp_rank']} but sits in rank={rd.rank}")
+    listed = {f"{rd.path}/{p['file']}": p["rows"] for p in m["parts"]}
+    found = set(rd.parts)
+    return RankManifest(rank=rd.rank, path=rd.path, manifest=m, parts=[p for p in rd.parts if p in listed],
+                        part_rows=listed, unlisted_parts=sorted(found - set(listed)),
+                        absent_parts=sorted(set(listed) - found))
+
+
+def _run_file(fs: pafs.FileSystem, run_path: str) -> dict | None:
+    path = f"{run_path}/{RUN_MANIFEST_NAME}"
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        return None
+    doc = check_run_manifest(_read_json(fs, path, "run file"), path)
+    if doc["schema_version"] != MANIFEST_SCHEMA_VERSION:
+        raise MoetraceError(f"run file {path} has schema_version {doc['schema_version']!r}; "
+                            f"this moetrace reads version {MANIFEST_SCHEMA_VERSION}")
+    return doc
+
+
+def _one_launch(run_path: str, run_json: dict | None, ranks: dict[int, RankManifest]) -> None:
+    """Every side file of a run folder belongs to one launch: the same run id, and the
+    run_nonce of _run.json (or, without one, the same run_nonce on every rank). A reused
+    run id mixes launches; nothing of such a folder can be trusted."""
+    ids = {rk.manifest["run_id"] for rk in ranks.values()} | ({run_json["run_id"]} if run_json else set())
+    if len(ids) > 1:
+        raise MoetraceError(f"run folder {run_path} mixes run ids {sorted(ids)}")
+    nonces = {r: rk.manifest["run_nonce"] for r, rk in ranks.items()}
+    want = run_json["run_nonce"] if run_json else next(iter(nonces.values()), None)
+    foreign = sorted(r for r, n in nonces.items() if n != want)
+    if foreign:
+        whose = f"{RUN_MANIFEST_NAME}'s" if run_json else f"rank {min(set(nonces) - set(foreign))}'s"
+        raise MoetraceError(
+            f"run folder {run_path} mixes launches: rank {', '.join(map(str, foreign))} has another run_nonce than "
+            f"{whose} ({want}); a run id was reused: rerun with a new --run-id or with --replace")
+
+
+def _expected_ranks(tp_size: int, run_json: dict | None) -> list[int]:
+    """Ranks the run declares: 0..tp_size-1, plus every rank _run.json lists or counts."""
+    expected = set(range(tp_size))
+    if run_json is not None:
+        expected |= {e["tp_rank"] for e in run_json["ranks"]}
+        for key in ("expected_ranks", "tp_size"):
+            if run_json[key] is not None:
+                expected |= set(range(run_json[key]))
+    return sorted(expected)
+
+
 def load_runs(rank_dirs: Sequence[RankDir]) -> list[RunInfo]:
-    """Manifests grouped by run folder; refuses missing manifests and inconsistent runs."""
+    """Manifests grouped by run folder, read strictly; refuses missing or malformed side
+    files, mixed launches and inconsistent runs."""
     by_run: dict[str, list[RankDir]] = {}
     for rd in rank_dirs:
         by_run.setdefault(rd.path.rsplit("/", 1)[0], []).append(rd)
     runs: list[RunInfo] = []
     for run_path, rds in by_run.items():
         fs = rds[0].fs
-        run_json = None
-        if fs.get_file_info(f"{run_path}/{RUN_MANIFEST_NAME}").type == pafs.FileType.File:
-            run_json = _read_json(fs, f"{run_path}/{RUN_MANIFEST_NAME}", "run file")
-        ranks: dict[int, RankManifest] = {}
-        for rd in rds:
-            if rd.manifest_path is None:
-                raise MoetraceError(
-                    f"{rd.display} has no {MANIFEST_NAME}: the tracer never started there or the folder is incomplete"
-                )
-            m = _read_json(fs, rd.manifest_path, "manifest")
-            ver = m.get("schema_version")
-            if ver != MANIFEST_SCHEMA_VERSION:
-                raise MoetraceError(
-                    f"manifest {rd.manifest_path} has schema_version {ver!r}; this moetrace reads version {MANIFEST_SCHEMA_VERSION}"
-                )
-            if m.get("fp_version") != FP_VERSION:
-                raise MoetraceError(
-                    f"manifest {rd.manifest_path} has fingerprint version {m.get('fp_version')!r}; this moetrace "
-                    f"computes version {FP_VERSION}: capture the trace again with this moetrace"
-                )
-            r = int(m.get("tp_rank", rd.rank))
-            if r != rd.rank:
-                raise MoetraceError(f"manifest {rd.manifest_path} says tp_rank {r} but sits in rank={rd.rank}")
-            ranks[r] = RankManifest(rank=r, path=rd.path, manifest=m, parts=rd.parts)
+        run_json = _run_file(fs, run_path)
+        ranks = {rd.rank: _rank_manifest(fs, rd) for rd in rds}
+        _one_launch(run_path, run_json, ranks)
 
         def one(key: str, default=None):
             vals = {rk.manifest.get(key, default) for rk in ranks.values()}
@@ -226,33 +275,15 @@ def load_runs(rank_dirs: Sequence[RankDir]) -> list[RunInfo]:
                 raise MoetraceError(f"run {run_path} mixes {key} values {sorted(map(str, vals))} across its manifests")
             return next(iter(vals)) if vals else default
 
-        run_ids = {str(rk.manifest.get("run_id")) for rk in ranks.values() if rk.manifest.get("run_id") is not None}
-        if len(run_ids) > 1:
-            raise MoetraceError(f"run folder {run_path} mixes run ids {sorted(run_ids)}")
-        run_id = next(iter(run_ids)) if run_ids else run_path.rsplit("/", 1)[-1]
-        tp_size = one("tp_size")
-        if tp_size is None:
-            raise MoetraceError(f"manifests of {run_path} do not say tp_size")
-        tp_size = int(tp_size)
+        run_id = next(iter(rk.manifest["run_id"] for rk in ranks.values()))
+        tp_size = int(one("tp_size"))
         ep_size = int(one("ep_size", 1) or 1)
-        ckpt = one("checkpoint_id")
-        expected = list(range(tp_size))
-        if run_json is not None and isinstance(run_json.get("ranks"), list):
-            rl = []
-            for x in run_json["ranks"]:
-                if isinstance(x, dict):
-                    x = x.get("tp_rank", x.get("rank"))
-                if x is not None:
-                    rl.append(int(x))
-            if rl:
-                expected = sorted(set(rl))
         runs.append(
-            RunInfo(run_id=run_id, path=run_path, checkpoint_id=ckpt, tp_size=tp_size, ep_size=ep_size,
-                    expected_ranks=expected, ranks=ranks, run_json=run_json)
+            RunInfo(run_id=run_id, path=run_path, checkpoint_id=one("checkpoint_id"), tp_size=tp_size, ep_size=ep_size,
+                    expected_ranks=_expected_ranks(tp_size, run_json), ranks=ranks, run_json=run_json)
         )
     ids = [r.run_id for r in runs]
     dup = {i for i in ids if ids.count(i) > 1}
     if dup:
         raise MoetraceError(f"run id(s) {sorted(dup)} appear in several folders; analyze them separately")
     return runs
-

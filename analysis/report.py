@@ -26,7 +26,7 @@ from moetrace.checkpoints.index_build import cached_index
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.errors import MoetraceError
 from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES, format_ids
-from moetrace.tracer.manifest import rank_problems, server_problem
+from moetrace.tracer.manifest import rank_problems, run_file_problems
 
 MAX_ROWS_DEFAULT = 1000  # divergent rows listed in the JSON document
 MAX_MISSING_LISTED = 64  # missing (expert, tensor) entries listed per load
@@ -92,6 +92,11 @@ def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> li
                 "disabled": bool(rk.manifest.get("disabled")),
             })
             incomplete += [f"run {run.run_id} rank {r} {p}" for p in rank_problems(rk.manifest)]
+            for path in rk.unlisted_parts:
+                incomplete.append(f"run {run.run_id} rank {r}: {path} is not listed in its manifest "
+                                  "(a stale or foreign part; not read)")
+            for path in rk.absent_parts:
+                incomplete.append(f"run {run.run_id} rank {r}: {path} is listed in its manifest but missing")
             if rk.rows_written and read < rk.rows_written:
                 incomplete.append(f"run {run.run_id} rank {r}: read {fmt_int(read)} of {fmt_int(rk.rows_written)} "
                                   "rows the manifest says were written")
@@ -101,10 +106,7 @@ def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> li
             warnings.append(f"run {run.run_id}: manifests record no checkpoint_id, so the index's checkpoint cannot be confirmed")
         for r in run.missing_ranks:
             incomplete.append(f"run {run.run_id}: rank {r} missing (no rank={r} folder)")
-        rj = run.run_json or {}
-        server = server_problem(rj.get("server_exit_code"), bool(rj.get("stop_reason"))) if rj.get("finished") else None
-        if server:
-            incomplete.append(f"run {run.run_id}: {server} (_run.json)")
+        incomplete += [f"run {run.run_id}: {p}" for p in run_file_problems(run.run_json)]
         # layers the index (and sampling) expect that no rank of the run captured
         expected_layers = set(np.unique(idx.layer).tolist())
         rk0 = next(iter(run.ranks.values()), None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ import torch
 
 from moetrace import __version__
 from moetrace import fingerprint as fpdef
+from moetrace import storage
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
 from moetrace.checkpoints.reader import Checkpoint, open_checkpoint
@@ -168,6 +170,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOETRACE_CACHE", Path.home() / ".cache" / "moetrace")) / "index"
 
 
+def _writable_cache() -> Path:
+    """The cache folder, checked writable before any fingerprinting (one line naming it)."""
+    path = cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise MoetraceError(f"MOETRACE_CACHE {path}: cannot write the index cache there ({err.strerror or err}); "
+                            "set MOETRACE_CACHE to a writable folder or pass --no-cache") from None
+    return path
+
+
 def cache_key(checkpoint: str | os.PathLike, opts: IndexOptions, identity: str | None = None) -> str:
     """Checkpoint identity (names, dtypes, shapes, offsets) + each file's size and
     mtime (content edits) + every option that changes the rows."""
@@ -198,6 +214,8 @@ def cached_index(
     resolved = tuple(_resolve_layers(ckpt.spec, layers, checkpoint))
     opts = IndexOptions(tp_size, ep_size, resolved, layout)
     path = cache_dir() / f"{cache_key(checkpoint, opts, ckpt.identity)}.parquet"
+    if not path.exists():
+        _writable_cache()
     if path.exists():
         try:
             index_metadata(path)
@@ -205,7 +223,7 @@ def cached_index(
         except MoetraceError:
             path.unlink(missing_ok=True)
     table = build_index(checkpoint, tp_size, ep_size, resolved, layout, device, progress, stats)
-    write_index(table, path)
+    write_index(table, path, "MOETRACE_CACHE")
     return path, False
 
 
@@ -217,6 +235,7 @@ def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size
     returns the summary the command prints."""
     t0 = time.perf_counter()
     stats = IndexStats()
+    storage.probe_output(os.fspath(output), "-o")  # before minutes of fingerprinting
     if use_cache:
         cached, reused = cached_index(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats)
         path = copy_index(cached, output)

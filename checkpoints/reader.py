@@ -329,15 +329,16 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         weight_map = data.get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise MoetraceError(f"{index}: 'weight_map' must be an object of tensor name -> file name")
+        files = sorted(set(weight_map.values()))
         weight_map = {k: v for k, v in weight_map.items() if not is_ignored(k)}
         source = index.name
     elif (root / SINGLE_NAME).exists():
+        files, source = [SINGLE_NAME], SINGLE_NAME
         weight_map = {k: SINGLE_NAME for k in read_header(root / SINGLE_NAME) if not is_ignored(k)}
-        source = SINGLE_NAME
     else:
         raise MoetraceError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
 
-    headers: dict[str, dict[str, TensorInfo]] = {}
+    headers: dict[str, dict[str, TensorInfo]] = _unambiguous_headers(root, files, source)
     tensors: dict[str, TensorInfo] = {}
     for name, fname in weight_map.items():
         if fname not in headers:
@@ -353,6 +354,31 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     spec = spec_from_config(config, root / "config.json", {n: t.dtype for n, t in tensors.items()})
     _check_expert_coverage(spec, tensors, root)
     return Checkpoint(root, config, config_bytes, spec, tensors)
+
+
+def _unambiguous_headers(root: Path, files: list[str], source: str) -> dict[str, dict[str, TensorInfo]]:
+    """The headers of every file `source` lists, after checking that which files make the
+    checkpoint, and which file holds each tensor, is unambiguous: a .safetensors file that
+    nothing lists, or one tensor name in two files, is an error naming both files."""
+    listed = set(files)
+    for path in sorted(root.glob("*.safetensors")):
+        if path.name not in listed and not path.name.startswith("."):
+            what = (f"{source} does not list it" if source == INDEX_NAME
+                    else f"there is no {INDEX_NAME} to say whether it belongs with {SINGLE_NAME}")
+            raise MoetraceError(f"{path}: a safetensors file beside {root / files[0]}, and {what}; which files make "
+                                "the checkpoint is ambiguous (remove it, or list it in the index)")
+    headers, holder = {}, {}
+    for fname in files:
+        fpath = root / fname
+        if not fpath.is_file():
+            continue  # named with the tensor that maps to it below
+        headers[fname] = read_header(fpath)
+        for name in headers[fname]:
+            if name in holder:
+                raise MoetraceError(f"{name}: in both {root / holder[name]} and {fpath}; which one the server loads "
+                                    "is ambiguous (remove the stale copy)")
+            holder[name] = fname
+    return headers
 
 
 def _check_expert_coverage(spec: MoESpec, tensors: dict[str, TensorInfo], root: Path) -> None:

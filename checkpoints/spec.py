@@ -7,12 +7,14 @@ reads this one frozen record instead of re-parsing the config.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moetrace.checkpoints.quant_config import quant_format, scale_suffix
 from moetrace.errors import MoetraceError
+from moetrace.schema import MAX_ID
 
 # architectures[0] -> (family, tensor-name prefix of the decoder layers)
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -102,6 +104,40 @@ def moe_layers_from_config(family: str, text: Mapping, where: str) -> tuple[int,
 
 
 _FORMAT_WORDS = {"fp8_block": "block scales", "fp8_channel": "per-channel scales", "fp8_tensor": "per-tensor scales"}
+
+
+def _check_sizes_held(prefix: str, sizes: dict[str, int], tensors: Mapping[str, str] | None, where: str) -> None:
+    """Sizes in config.json are checked before anything is sized by them: never above
+    schema.MAX_ID, and (given the tensor names) never above what the safetensors files
+    hold: a layer count past the last layer with tensors, an expert count past the last
+    per-expert tensor (one pass over the names, nothing allocated per config id)."""
+    for key, n in sizes.items():
+        if n >= MAX_ID:
+            raise MoetraceError(f"{where}: '{key}' {n:,} is not a model size moetrace accepts (at most {MAX_ID - 1:,})")
+    if tensors is None:
+        return
+    layer_re = re.compile(rf"^{re.escape(prefix)}\.layers\.(\d+)\.")
+    expert_re = re.compile(rf"^{re.escape(prefix)}\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+    layers, experts, fused = -1, -1, False
+    for name in tensors:
+        m = layer_re.match(name)
+        if m:
+            layers = max(layers, int(m.group(1)))
+            e = expert_re.match(name)
+            if e:
+                experts = max(experts, int(e.group(1)))
+            fused = fused or name.endswith(".mlp.experts.gate_up_proj")
+    held = {"num_hidden_layers": (layers + 1, "layers"), **{k: (experts + 1, "experts") for k in sizes if k != "num_hidden_layers"}}
+    for key, n in sizes.items():
+        have, what = held[key]
+        if what == "experts" and fused:
+            continue  # fused 3-D experts: the stacked dimension is checked against the config by shape
+        if n > have:
+            ids = f"{what} 0-{have - 1}" if have > 0 else f"no {what}"
+            raise MoetraceError(f"{where}: '{key}' is {n:,} but the safetensors files hold {ids} only: the config "
+                                "and the weights disagree")
+
+
 _DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn"}
 
 
@@ -131,9 +167,12 @@ def spec_from_config(config: Mapping, path: str | Path, tensors: Mapping[str, st
         where_text = f"{where} (text_config)"
     else:
         where_text = where
-    num_experts = _int(text, "n_routed_experts" if family == "deepseek_v3" else "num_experts", where_text)
+    experts_key = "n_routed_experts" if family == "deepseek_v3" else "num_experts"
+    num_experts = _int(text, experts_key, where_text)
     if num_experts < 1:
         raise MoetraceError(f"{where_text}: the number of routed experts must be >= 1, found {num_experts}")
+    _check_sizes_held(prefix, {"num_hidden_layers": _int(text, "num_hidden_layers", where_text),
+                               experts_key: num_experts}, tensors, where_text)
     q = quant_format(config, text, where)
     spec = MoESpec(
         arch=arch,

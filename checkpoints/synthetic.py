@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from moetrace.checkpoints.quant_config import QUANT_METHODS, scale_suffix
+from moetrace import storage
 from moetrace.checkpoints.spec import FAMILIES, FORMATS
 from moetrace.errors import MoetraceError
 
@@ -245,8 +246,9 @@ def write_synthetic_checkpoint(
     quant_method, block = _check_arguments(family, fmt, quant_method, block, scale_dtype, fused,
                                            (num_layers, num_experts, hidden, intermediate, num_files), dense_layers)
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MoetraceError(f"{out}: output path exists and is not an empty directory")
+    storage.check_output(str(out), "-o", kind="dir")
+    if out.exists() and any(out.iterdir()):
+        raise MoetraceError(f"-o {out}: output path exists and is not an empty directory")
 
     prefix = "model.language_model" if family == "qwen3_5_moe" else "model"
     H, I, E = hidden, intermediate, num_experts
@@ -310,12 +312,17 @@ def write_synthetic_checkpoint(
         tensors["model.visual.blocks.0.mlp.experts.0.gate_proj.weight"] = filler(8, 8)
     tensors["lm_head.weight"] = filler(16, H)
 
-    out.mkdir(parents=True, exist_ok=True)
     cfg = _config(family, fmt, num_layers, E, H, I, dense_layers, None if fmt == "bf16" else (quant_method, block), seed)
+    with storage.new_local_dir(str(out), "-o") as tmp:  # whole or nothing: never a folder with only config.json
+        _write_files(Path(tmp), cfg, tensors, num_files, save_file)
+    return out
+
+
+def _write_files(out: Path, cfg: dict, tensors: dict[str, torch.Tensor], num_files: int, save_file) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if num_files == 1:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return out
+        return
     files = [f"model-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
     weight_map = {name: files[(i + i // 5) % num_files] for i, name in enumerate(tensors)}
     for fname in files:
@@ -326,4 +333,3 @@ def write_synthetic_checkpoint(
         "weight_map": dict(sorted(weight_map.items())),
     }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return out

@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import re
 
+from moetrace.checkpoints.index import index_metadata
 from moetrace.errors import MoetraceError
-from moetrace.tracer.config import TraceConfig, new_run_id
+from moetrace.schema import parse_ids
+from moetrace.tracer.config import TraceConfig, new_run_id, new_run_nonce
 from moetrace.tracer.manifest import package_version
 
 FACTORY_PATH = "moetrace.hooks.sglang_hook:make_hook"
@@ -53,11 +55,15 @@ def hook_config(config: dict) -> dict:
     conf = dict(config)
     if not conf.get("run_id"):
         conf["run_id"] = new_run_id()
+    if not conf.get("run_nonce"):  # every rank of this server shares it; another launch gets another
+        conf["run_nonce"] = new_run_nonce()
     for key in ("out", "index"):
         if conf.get(key) and "://" not in str(conf[key]):
             conf[key] = os.path.abspath(conf[key])
     if conf.get("index") and "://" not in conf["index"] and not os.path.isfile(conf["index"]):
         raise MoetraceError(f"--index {conf['index']}: no such file (build it with `moetrace index`)")
+    if conf.get("index"):  # the model's expert count is known: a range past it is an error, never expanded
+        parse_ids(conf.get("experts"), "--experts", bound=index_metadata(conf["index"])["num_experts"])
     TraceConfig.from_dict(conf)  # raises MoetraceError on anything wrong
     return conf
 

@@ -26,6 +26,11 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
+def new_run_nonce() -> str:
+    """What tells two launches with the same run id apart: fresh for every hook spec."""
+    return uuid.uuid4().hex
+
+
 def default_run_id() -> str:
     """The run id when the config names none: MOETRACE_RUN_ID, else one derived
     from what all TP workers of one server share (host and parent pid)."""
@@ -39,6 +44,7 @@ def default_run_id() -> str:
 class TraceConfig:
     out: str  # local folder or pyarrow/fsspec URL (file://, s3://, gs://, hdfs://)
     run_id: str = ""
+    run_nonce: str | None = None  # the launch's identity (hooks.spec sets a fresh one); recorded in every manifest
     checkpoint_id: str | None = None
     sampling: Sampling = field(default_factory=Sampling)
     chunk_digests: str = "all"  # which rows carry chunk fingerprints: all | mismatch | none

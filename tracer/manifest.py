@@ -19,6 +19,12 @@ from importlib import metadata
 from moetrace import __version__, storage
 from moetrace.fingerprint import CHUNK_BYTES, FP_VERSION
 from moetrace.schema import MANIFEST_SCHEMA_VERSION, TRACE_SCHEMA_VERSION
+from moetrace.tracer.manifest_fields import (  # noqa: F401 (the side files' schema, read through here)
+    RANK_MANIFEST_FIELDS,
+    RUN_MANIFEST_FIELDS,
+    check_rank_manifest,
+    check_run_manifest,
+)
 
 MANIFEST_NAME = "_manifest.json"
 LAYOUT_SCHEMA_VERSION = 1  # the facts record under "layouts" (hooks.layout)
@@ -68,6 +74,7 @@ def new_rank_manifest(run_id: str, tp_rank: int, tp_size: int, config: dict, che
         "fp_version": FP_VERSION,
         "chunk_bytes": CHUNK_BYTES,
         "run_id": run_id,
+        "run_nonce": config.get("run_nonce"),  # the launch this trace belongs to (hook config)
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "versions": versions(),
@@ -116,6 +123,8 @@ def new_run_manifest(run_id: str, out: str, **fields) -> dict:
         "kind": "run",
         "schema_version": MANIFEST_SCHEMA_VERSION,
         "run_id": run_id,
+        "run_nonce": None,  # this launch's identity, the same in every rank manifest of the run
+        "replaced": False,  # --replace cleared an existing run folder first
         "out": out,
         "host": socket.gethostname(),
         "launcher_pid": os.getpid(),
@@ -137,7 +146,9 @@ def new_run_manifest(run_id: str, out: str, **fields) -> dict:
         "server_exit_code": None,
         "stop_signal": None,
         "stop_reason": None,
+        "stop": None,  # how the server's process group was stopped (hooks.launch)
         "ranks_closed_before_stop": None,
+        "port_check": None,  # audit --launch: the port was free, the server answering was ours
         "ranks": [],
         "complete": False,
         "problems": [],
@@ -178,7 +189,33 @@ def rank_problems(m: dict) -> list[str]:
             problems.append(f"had {n:,} {word} errors")
     if not _count(m, "rows_written"):
         problems.append("wrote 0 rows (nothing captured: check the sampling filters and that traffic reached the server)")
+    listed = sum(int(p.get("rows") or 0) for p in m.get("parts") or [] if isinstance(p, dict))
+    if "parts" in m and listed != _count(m, "rows_written"):
+        problems.append(f"lists parts of {listed:,} rows but says it wrote {_count(m, 'rows_written'):,}")
     return problems
+
+
+def run_file_problems(run: dict | None) -> list[str]:
+    """What a run's ``_run.json`` itself says is wrong (none when there is no _run.json):
+    a launcher that never finished (killed, or still running), or one that found the
+    run incomplete."""
+    if run is None:
+        return []
+    if not run.get("finished"):
+        return ["_run.json says the launcher did not finish (finished: false: it was killed, or is still running)"]
+    problems = []
+    server = server_problem(run.get("server_exit_code"), bool(run.get("stop_reason")))
+    if server:
+        problems.append(f"{server} (_run.json)")
+    if run.get("complete") is not True:
+        why = "; ".join(str(p) for p in run.get("problems") or []) or "no reason recorded"
+        problems.append(f"_run.json says the run is incomplete ({why})")
+    return problems
+
+
+def foreign_ranks(manifests: dict[int, dict], nonce: str | None) -> list[int]:
+    """Ranks whose manifest belongs to another launch than `nonce` (a reused run id)."""
+    return sorted(r for r, m in manifests.items() if m.get("run_nonce") != nonce)
 
 
 def server_problem(exit_code: int | None, stop_requested: bool) -> str | None:
@@ -191,13 +228,20 @@ def server_problem(exit_code: int | None, stop_requested: bool) -> str | None:
 
 
 def run_problems(manifests: dict[int, dict], expected_ranks: int | None, *, server_started: bool = True,
-                 server_exit_code: int | None = None, stop_requested: bool = False) -> list[str]:
+                 server_exit_code: int | None = None, stop_requested: bool = False,
+                 nonce: str | None = None) -> list[str]:
     """Why a run is not a whole trace, one sentence per reason (empty: whole).
     ``expected_ranks``: the rank count the server was started with (None: the
-    tp_size the manifests agree on)."""
+    tp_size the manifests agree on); ``nonce``: the launch's run_nonce, which every
+    manifest must carry (one from an earlier launch under the same run id is not this run's)."""
     problems: list[str] = []
     if not server_started:
         problems.append("the server did not start")
+    foreign = foreign_ranks(manifests, nonce) if nonce is not None else []
+    if foreign:
+        problems.append(f"manifests of rank {_ids(foreign)} are from another launch (a different run_nonce: "
+                        "a reused run id)")
+        manifests = {r: m for r, m in manifests.items() if r not in foreign}
     server = server_problem(server_exit_code, stop_requested)
     if server:
         problems.append(server)

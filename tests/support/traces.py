@@ -40,6 +40,8 @@ from moetrace.tracer.batch import CaptureBatch
 from moetrace.tracer.sink import TraceSink
 
 Corruption = tuple | None
+# A small MoE checkpoint for tests about input handling, not shards (conftest's small_model).
+SMALL_MOE = dict(num_layers=2, num_experts=4, hidden=256, intermediate=512)
 
 
 class CheckpointModel:
@@ -163,7 +165,7 @@ def write_run_json(out: str, run_id: str, model: CheckpointModel, ranks: list[in
     storage.make_dirs(fs, storage.join(base, run_id))
     doc = new_run_manifest(run_id, out, tp_size=model.tp_size, expected_ranks=model.tp_size,
                            checkpoint_id=model.checkpoint_id, finished=True, complete=True,
-                           ranks=[{"tp_rank": r} for r in ranks], **fields)
+                           ranks=[{"tp_rank": r, "present": True} for r in ranks], **fields)
     storage.write_json(fs, storage.join(base, run_id, RUN_MANIFEST_NAME), doc)
 
 
