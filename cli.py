@@ -200,6 +200,18 @@ def _capture_options(f):
         click.option("--dump-max-count", type=click.IntRange(min=0), default=None,
                      help="Dump up to N mismatching tensors as safetensors (needs --index; default 0)."),
         click.option("--dump-max-bytes", type=click.IntRange(min=0), default=None, help="Byte cap of all dumps (default 256 MiB)."),
+        click.option("--guard", type=click.Choice(["record", "alert", "fail-closed"]), default=None,
+                     help="Verify every staged load and resident weight change on the device against --index; on a "
+                          "mismatch record it, also log an ERROR (alert), or fail the forward pass (fail-closed). "
+                          "docs/guard.md."),
+        click.option("--guard-rows", type=click.Choice(["mismatch", "all"]), default=None,
+                     help="Trace rows of guarded captures: mismatches only (default) or all."),
+        click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
+                     help="Serve the guard's Prometheus metrics on 127.0.0.1:PORT+tp_rank (0: any free port; "
+                          "unneeded with SGLang's --enable-metrics, whose /metrics shows them)."),
+        click.option("--update-index-dir", default=None,
+                     help="Folder of indexes of checkpoints the server may load with update_weights_from_disk: "
+                          "the guard re-verifies against the one built from the new model path."),
         click.option("--queue-size", type=click.IntRange(min=1), default=None, help="Capture batches queued for the writer (default 1024)."),
         click.option("--max-hook-errors", type=click.IntRange(min=1), default=None,
                      help="Disable tracing after N errors (default 10)."),
@@ -253,6 +265,9 @@ def hook_spec_cmd(pretty, **kw):
       python -m sglang.launch_server --model-path M --tp 2 \\
         --disable-prefill-cuda-graph --disable-decode-cuda-graph \\
         --forward-hooks "$(moetrace hook-spec --out /data/traces --layers 0-3)"
+      # in production: the guard, metrics on SGLang's /metrics
+      python -m sglang.launch_server --model-path M --tp 2 --enable-metrics \\
+        --forward-hooks "$(moetrace hook-spec --out /data/traces --index idx.parquet --guard alert)"
     """
     import json
 

@@ -250,6 +250,58 @@ def chunk_digests(lanes: np.ndarray, nbytes: int) -> np.ndarray:
     return words.astype("<u8").view(np.uint8).reshape(r, n, 16)
 
 
+_FOLD_DEVICE: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_MASK32 = 0xFFFFFFFF
+
+
+def _length_terms(length: int, halves: np.ndarray) -> np.ndarray:
+    """The four half-sums (below) that a chunk's 4 length bytes add: exact int64."""
+    return (np.frombuffer(int(length).to_bytes(4, "little"), dtype=np.uint8).astype(np.int64) @ halves[4 * LANES :])
+
+
+def _fold_constants(device: torch.device, tail: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On `device`, once per (device, last-chunk length): the lane keys' 32-bit halves
+    (float64 [64, 4]), the length terms of a full chunk and of the last one (int64 [2, 4]),
+    and the byte shifts. Nothing is copied to the device per call."""
+    found = _FOLD_DEVICE.get((device, tail))
+    if found is None:
+        k = FOLD_KEYS.astype(np.uint64)
+        m = np.uint64(_MASK32)
+        halves = np.stack([k[:, 0] & m, k[:, 0] >> np.uint64(32), k[:, 1] & m, k[:, 1] >> np.uint64(32)],
+                          axis=1).astype(np.int64)
+        lengths = np.stack([_length_terms(CHUNK_BYTES, halves), _length_terms(tail or CHUNK_BYTES, halves)])
+        found = _FOLD_DEVICE[(device, tail)] = (
+            torch.from_numpy(halves[: 4 * LANES].astype(np.float64)).to(device),
+            torch.from_numpy(lengths).to(device),
+            torch.tensor([0, 8, 16, 24], dtype=torch.int64).to(device),
+        )
+    return found
+
+
+def device_chunk_digests(lanes: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """chunk_digests() computed where the lanes are (no host copy, no sync): int32
+    lanes [R, n, LANES] on any device -> uint8 [R, n, 16] on that device, the same bytes.
+
+    Each 64-bit word is sum(input byte * key) mod 2^64 over the 68 inputs. With every
+    key split into 32-bit halves each half-sum stays below 68 * 255 * 2^32 < 2^48:
+    exact in float64 (one small GEMM over the lane bytes) and in int64, and a word's
+    two 32-bit halves follow with one carry. Lanes are read in the device's byte
+    order: little-endian on every CUDA and x86 device, as the host fold writes them."""
+    r, n, width = lanes.shape
+    if width != LANES or n != n_chunks_for(nbytes):
+        raise ValueError(f"lanes [{r}, {n}, {width}] do not fit {nbytes}-byte rows")
+    keys, length_terms, shifts = _fold_constants(lanes.device, nbytes % CHUNK_BYTES)
+    lane_bytes = lanes.contiguous().view(torch.uint8).view(r * n, 4 * LANES)
+    sums = (lane_bytes.to(torch.float64) @ keys).to(torch.int64).view(r, n, 4)
+    sums += length_terms[0]
+    if n and nbytes % CHUNK_BYTES:
+        sums[:, -1] += length_terms[1] - length_terms[0]
+    lo0, hi0, lo1, hi1 = sums.unbind(-1)
+    halves = torch.stack([lo0 & _MASK32, ((lo0 >> 32) + hi0) & _MASK32,
+                          lo1 & _MASK32, ((lo1 >> 32) + hi1) & _MASK32], dim=-1)  # the 16 bytes' LE order
+    return ((halves.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8).view(r, n, 16)
+
+
 def _lanes_to_numpy(lanes: np.ndarray | torch.Tensor) -> np.ndarray:
     if isinstance(lanes, torch.Tensor):
         return lanes.cpu().numpy()

@@ -15,6 +15,7 @@ import torch
 from moetrace.hooks import weight_events
 from moetrace.hooks.layout import layout_facts
 from moetrace.hooks.ranks import module_ranks
+from moetrace.tracer.guard import GuardMismatch
 from moetrace.tracer.capture import Tracer, cuda_graph_capturing
 from moetrace.schema import TENSOR_NAMES
 
@@ -71,7 +72,8 @@ def layer_of(module) -> int:
 
 class FusedMoECapture:
     """``hook(module, inputs, output)`` for ``register_forward_hook``; returns None
-    (the output is never touched) and never raises."""
+    (the output is never touched) and never raises, except the guard's GuardMismatch
+    in fail-closed mode: the forward pass then fails before any token is returned."""
 
     source = "resident"
 
@@ -109,6 +111,8 @@ class FusedMoECapture:
             tr.record_layout(self.source, layer, layout_facts(module))
             tr.capture(tensors, layer=layer, source=self.source, step=step, experts=experts,
                        local_experts=local, positions=local, ranks=ranks, weights_epoch=epoch)
+        except GuardMismatch:  # fail-closed: the layer must not be used
+            raise
         except Exception as err:
             try:
                 tr.record_error("fused_moe_hook", err)

@@ -28,6 +28,7 @@ import threading
 from moetrace.hooks.fused_moe import expert_tensors
 from moetrace.hooks.layout import kt_format, layout_facts
 from moetrace.hooks.ranks import module_ranks
+from moetrace.tracer.guard import GuardMismatch
 from moetrace.tracer.capture import Tracer
 
 log = logging.getLogger("moetrace.kt")
@@ -152,7 +153,8 @@ class KTLoadCapture:
                 setattr(self.cls, "load", self._original)
 
     def after_load(self, ctx, args: tuple, kwargs: dict) -> None:
-        """Fingerprint every expert of ``ctx.gpu_layer``; never raises."""
+        """Fingerprint every expert of ``ctx.gpu_layer``; never raises, except the guard's
+        GuardMismatch in fail-closed mode (then the caller never uses the layer)."""
         tr = self.tracer
         if not tr.enabled:
             return
@@ -188,6 +190,8 @@ class KTLoadCapture:
             tr.record_layout(self.source, layer, layout_facts(gpu_layer, ctx))
             tr.capture(tensors, layer=layer, source=self.source, step=step, experts=experts,
                        local_experts=experts, positions=positions, ranks=ranks)
+        except GuardMismatch:  # fail-closed: the layer must not be used
+            raise
         except Exception as err:
             try:
                 tr.record_error("kt_load_wrapper", err)

@@ -7,6 +7,7 @@ on every module matching the spec's ``target_modules``. The factory
 - reads the config (plain JSON, docs/capture.md) and finds this worker's rank,
 - opens (once per process and run) the tracer and its Parquet sink,
 - wraps KT's ``SharedFullContext.load`` when the server is a KT server,
+- with the guard on, listens to the server's weight-update entry points,
 - returns the FusedMoE capture hook.
 
 It never raises into the server: a bad config or an unwritable output logs an
@@ -57,6 +58,8 @@ def make_hook(config: dict | None):
         return None
     if cfg.resident_cache and not weight_events.install():
         tracer.note_once("SGLang's weight writers were not found: resident weights are fingerprinted on every pass")
+    if tracer.guard is not None and not weight_events.watch_updates(tracer.guard.weights_updated):
+        tracer.note_once("guard: SGLang's weight-update entry points were not found: a weight update would not be seen")
     try:
         install_kt_capture(tracer, cfg.kt)
     except Exception as err:

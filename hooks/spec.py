@@ -57,13 +57,15 @@ def hook_config(config: dict) -> dict:
         conf["run_id"] = new_run_id()
     if not conf.get("run_nonce"):  # every rank of this server shares it; another launch gets another
         conf["run_nonce"] = new_run_nonce()
-    for key in ("out", "index"):
+    for key in ("out", "index", "update_index_dir"):
         if conf.get(key) and "://" not in str(conf[key]):
             conf[key] = os.path.abspath(conf[key])
     if conf.get("index") and "://" not in conf["index"] and not os.path.isfile(conf["index"]):
         raise MoetraceError(f"--index {conf['index']}: no such file (build it with `moetrace index`)")
     if conf.get("index"):  # the model's expert count is known: a range past it is an error, never expanded
         parse_ids(conf.get("experts"), "--experts", bound=index_metadata(conf["index"])["num_experts"])
+    if conf.get("update_index_dir") and not os.path.isdir(conf["update_index_dir"]):
+        raise MoetraceError(f"--update-index-dir {conf['update_index_dir']}: no such folder")
     TraceConfig.from_dict(conf)  # raises MoetraceError on anything wrong
     return conf
 

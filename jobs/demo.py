@@ -62,11 +62,14 @@ def _prepare(workdir: Path, size: DemoSize, echo: Callable[[str], None]) -> tupl
 
 
 def _run(ckpt: Path, traces: Path, run_id: str, fence: str, requests: list[dict], checkpoint_id: str,
-         device: str, slow_rank: int | None, transport: str):
+         device: str, slow_rank: int | None, transport: str, index: Path):
     from moetrace.emulator import run_emulation
     from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec
 
-    spec = hook_spec({"out": str(traces), "run_id": run_id, "checkpoint_id": checkpoint_id}, DEFAULT_TARGETS)
+    # The guard checks every load in the server as well (on the device, against the index);
+    # guard_rows=all keeps the whole trace for the analysis.
+    spec = hook_spec({"out": str(traces), "run_id": run_id, "checkpoint_id": checkpoint_id, "index": str(index),
+                      "guard": "record", "guard_rows": "all"}, DEFAULT_TARGETS)
     return run_emulation(ckpt, requests, tp=2, fence=fence, slow_rank=slow_rank, forward_hooks=spec, device=device,
                          transport=transport)
 
@@ -95,16 +98,34 @@ def run_pair(workdir: Path, size: DemoSize, device: str = "cpu", slow_rank: int 
            "staged_by": staged_by}
     for run_id, fence in runs:
         t0 = time.perf_counter()
-        result = _run(ckpt, traces, run_id, fence, requests, checkpoint_id, device, slow_rank, transport)
+        result = _run(ckpt, traces, run_id, fence, requests, checkpoint_id, device, slow_rank, transport, index)
         seconds = time.perf_counter() - t0
         report = analyze([str(traces / run_id)], index=str(index))
         out["runs"][run_id] = {"fence": fence, "result": result, "report": report, "seconds": seconds,
+                               "guard": guard_records(traces, run_id),
                                "token0_max_abs_delta": _token0_delta(result, reference),
                                "tokens_equal_reference": all(r.output_ids == ref.output_ids
                                                              for r, ref in zip(result.requests, reference))}
         echo(f"ran the emulated TP2 server {run_id} (--fence {fence}): {len(result.loads)} staged layer-loads, "
              f"{seconds:.1f} s")
     return out
+
+
+def guard_records(traces: Path, run_id: str) -> dict[str, dict]:
+    """The in-server guard's record of each rank ({rank: manifest guard section})."""
+    from moetrace.tracer.manifest import read_manifests
+
+    return {str(r): m.get("guard") or {} for r, m in read_manifests(str(traces), run_id).items()}
+
+
+def guard_sentence(records: dict[str, dict]) -> str:
+    parts = []
+    for rank, g in sorted(records.items()):
+        t = g.get("tensors") or {}
+        cov = ", ".join(f"{k} coverage {v:.0%}" for k, v in sorted((g.get("coverage") or {}).items()))
+        parts.append(f"rank {rank} {g.get('status')}: {t.get('mismatch', 0):,} of {t.get('match', 0) + t.get('mismatch', 0):,} "
+                     f"tensors mismatched in {g.get('loads', {}).get('mismatch', 0):,} loads ({cov or 'no coverage'})")
+    return "; ".join(parts) or "no guard record"
 
 
 def _write_reports(run_id: str, report, reports: Path) -> dict:
@@ -139,6 +160,8 @@ def run_demo(workdir: str | Path, device: str = "cpu", quick: bool = False,
             "summaries": [s["sentence"] for s in doc["summaries"]],
             "token0_max_abs_logit_delta_vs_reference": run["token0_max_abs_delta"],
             "tokens_equal_reference": run["tokens_equal_reference"],
+            "guard": run["guard"],
+            "guard_sentence": guard_sentence(run["guard"]),
             "reports": _write_reports(run_id, rep, workdir / "reports"),
         }
     summary["seconds"] = round(time.perf_counter() - t0, 1)
@@ -160,10 +183,12 @@ def print_demo(summary: dict, echo: Callable[[str], None] = print) -> None:
     if len(unf["summaries"]) > 4:
         echo(f"  ... {len(unf['summaries']) - 4} more loads like these")
     echo(f"  {unf['totals']}")
+    echo(f"  in-server guard: {unf['guard_sentence']}")
     echo(f"  token 0 vs reference: max |logit delta| {unf['token0_max_abs_logit_delta_vs_reference']:.3g}"
          f"{'' if unf['tokens_equal_reference'] else ', output tokens differ'}")
     echo("== fenced (every rank syncs its copy, then a collective fence, before a slot is reused)")
     echo(f"  {fen['totals']}")
+    echo(f"  in-server guard: {fen['guard_sentence']}")
     echo(f"  token 0 vs reference: max |logit delta| {fen['token0_max_abs_logit_delta_vs_reference']:.3g}"
          f"{'' if fen['tokens_equal_reference'] else ', output tokens differ'}")
     echo("")

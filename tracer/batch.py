@@ -14,6 +14,33 @@ from moetrace.fingerprint import Fingerprint
 from moetrace.schema import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RankIdentity, copy_position
 
 
+@dataclass(frozen=True)
+class CaptureEvent:
+    """What every tensor of one capture event shares (one staged load, one forward)."""
+
+    ranks: RankIdentity
+    step: int
+    source: str  # "resident" | "staged"
+    capture_seq: int
+    layer: int
+    experts: list[int]  # global ids, one per captured row
+    local_experts: list[int]
+    positions: list[int]  # transport_position per row
+    time_ns: int
+
+
+@dataclass
+class CapturedTensor:
+    """One parameter of a capture event, ready to fingerprint (or already known)."""
+
+    name: str
+    data: torch.Tensor  # [rows, ...]: the captured experts only (when fingerprinted)
+    nbytes: int  # per row
+    rows: torch.Tensor | None  # uint8 [rows, nbytes] view of data; None when fps is reused
+    key: object | None  # tracer.unchanged.WeightsKey: the parameter provably unchanged while equal
+    fps: list[Fingerprint] | None  # reused fingerprints (unchanged resident weights)
+
+
 @dataclass
 class CaptureBatch:
     """All captured experts of one parameter in one capture event."""

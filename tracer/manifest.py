@@ -109,6 +109,7 @@ def new_rank_manifest(run_id: str, tp_rank: int, tp_size: int, config: dict, che
         "notes": [],
         "online": {"match": 0, "mismatch": 0, "unchecked": 0},
         "dumps": {"count": 0, "bytes": 0, "skipped": 0, "files": []},
+        "guard": None,  # the in-server guard's record (tracer.guard), null when it is off
         "parts": [],
         # Layout facts per captured layer, "<source>:<layer>" -> hooks.layout facts
         "layout_schema": LAYOUT_SCHEMA_VERSION,
@@ -187,12 +188,31 @@ def rank_problems(m: dict) -> list[str]:
         n = _count(m, key)
         if n:
             problems.append(f"had {n:,} {word} errors")
-    if not _count(m, "rows_written"):
+    guard = m.get("guard") if isinstance(m.get("guard"), dict) else None
+    problems += guard_problems(guard)
+    if not _count(m, "rows_written") and not (guard and guard.get("rows") == "mismatch" and _guard_checked(guard)):
         problems.append("wrote 0 rows (nothing captured: check the sampling filters and that traffic reached the server)")
     listed = sum(int(p.get("rows") or 0) for p in m.get("parts") or [] if isinstance(p, dict))
     if "parts" in m and listed != _count(m, "rows_written"):
         problems.append(f"lists parts of {listed:,} rows but says it wrote {_count(m, 'rows_written'):,}")
     return problems
+
+
+def _guard_checked(guard: dict) -> int:
+    t = guard.get("tensors") or {}
+    return int(t.get("match") or 0) + int(t.get("mismatch") or 0)
+
+
+def guard_problems(guard: dict | None) -> list[str]:
+    """A guard that could not verify, or verified nothing, does not vouch for the run
+    (its trace holds rows for mismatches only, so 0 rows there is not a problem by itself)."""
+    if not guard:
+        return []
+    if guard.get("status") == "unverified":
+        return [f"guard could not verify ({guard.get('status_reason') or 'no reason recorded'})"]
+    if not _guard_checked(guard):
+        return ["guard verified nothing (no staged load or resident weights reached it)"]
+    return []
 
 
 def run_file_problems(run: dict | None) -> list[str]:

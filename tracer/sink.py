@@ -193,6 +193,12 @@ class TraceSink:
             self._dump_reserved = [count + 1, used + nbytes]
             return True
 
+    def counters(self) -> dict:
+        """Error and drop counts (cheap: the metrics mirror them every second)."""
+        with self._lock:
+            return {"hook_errors": self._m["hook_errors"], "sink_errors": self._m["sink_errors"],
+                    "drops": dict(self._m["drops"])}
+
     def manifest(self) -> dict:
         import copy
 

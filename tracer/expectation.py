@@ -1,0 +1,145 @@
+"""One rank's expected digests on its device, and the on-device comparison the guard runs.
+
+Read once through the one index reader (this rank's rows only), each (layer, tensor)
+becomes one uint8 [experts, chunks, 16] table of the index's chunk digests on the
+rank's device. A captured tensor's lanes are folded into chunk digests where they
+are (``fingerprint.device_chunk_digests``) and compared with its table: equal chunk
+digests and byte length are exactly equal digests (a digest is a hash of them).
+The result is one flag per captured expert, still on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import torch
+
+from moetrace.checkpoints.index import INDEX_META_KEY, read_index
+from moetrace.errors import MoetraceError
+from moetrace.fingerprint import device_chunk_digests, n_chunks_for
+
+MATCH, MISMATCH, UNVERIFIED = 0, 1, 2  # flag codes, one per captured expert
+VERDICTS = ("match", "mismatch", "unverified")  # the same, as words (metrics, manifest)
+_COLUMNS = ["checkpoint_id", "layer", "expert", "tensor", "nbytes", "digest", "chunk_digests"]
+
+
+@dataclass
+class Table:
+    """Expected chunk digests of one (layer, tensor) on one device."""
+
+    digests: torch.Tensor  # uint8 [rows, chunks, 16]
+    nbytes: int
+    row_of: dict[int, int]  # expert id -> row
+    digest_of: dict[int, bytes]  # expert id -> 16-byte digest (host, for dumps)
+    _lookups: dict[tuple[int, ...], tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
+
+    def lookup(self, experts: tuple[int, ...]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(row index on the device or None for rows 0..R-1 in order, known mask or None when all known)."""
+        found = self._lookups.get(experts)
+        if found is None:
+            rows = [self.row_of.get(e, -1) for e in experts]
+            known = [r >= 0 for r in rows]
+            dev = self.digests.device
+            index = None if rows == list(range(len(rows))) else torch.tensor([max(r, 0) for r in rows]).to(dev)
+            mask = None if all(known) else torch.tensor(known).to(dev)
+            if len(self._lookups) < 64:  # captures name a handful of expert lists per layer
+                self._lookups[experts] = (index, mask)
+            found = (index, mask)
+        return found
+
+
+@dataclass
+class Expectation:
+    """This rank's expected digests per (layer, tensor), on one device."""
+
+    path: str
+    tp_rank: int
+    device: torch.device
+    checkpoint_id: str | None
+    checkpoint_path: str | None
+    tables: dict[tuple[int, str], Table]
+
+    @property
+    def tensors(self) -> int:
+        return sum(len(t.row_of) for t in self.tables.values())
+
+    def expected_in(self, layers, experts, tensors) -> int:
+        """Expected tensors of one pass inside the sampling filters (None: all)."""
+        n = 0
+        for (layer, name), t in self.tables.items():
+            if (layers is None or layer in layers) and (tensors is None or name in tensors):
+                n += len(t.row_of) if experts is None else sum(1 for e in t.row_of if e in experts)
+        return n
+
+    def on(self, device: torch.device) -> "Expectation":
+        """The same tables on another device (a capture on an unexpected device; once)."""
+        if device == self.device:
+            return self
+        tables = {k: Table(t.digests.to(device), t.nbytes, t.row_of, t.digest_of) for k, t in self.tables.items()}
+        return Expectation(self.path, self.tp_rank, device, self.checkpoint_id, self.checkpoint_path, tables)
+
+    def compare(self, layer: int, tensor: str, experts: tuple[int, ...], lanes: torch.Tensor,
+                nbytes: int) -> torch.Tensor | None:
+        """uint8 [R] flags on the lanes' device (no sync); None: nothing expected for
+        (layer, tensor) here, every row unverified."""
+        table = self.tables.get((layer, tensor))
+        if table is None:
+            return None
+        index, known = table.lookup(experts)
+        r = lanes.shape[0]
+        if nbytes != table.nbytes or lanes.shape[1] != table.digests.shape[1]:
+            flags = torch.full((r,), MISMATCH, dtype=torch.uint8, device=lanes.device)
+        else:
+            want = table.digests if index is None else table.digests.index_select(0, index)
+            equal = (device_chunk_digests(lanes, nbytes) == want).view(r, -1).all(dim=1)
+            flags = (~equal).to(torch.uint8)  # MATCH 0, MISMATCH 1
+        if known is not None:
+            flags = torch.where(known, flags, torch.full_like(flags, UNVERIFIED))
+        return flags
+
+
+def guard_device() -> torch.device:
+    """The rank's device at hook set-up: its current CUDA device when the server has
+    initialized CUDA (never initialized here), else the CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _metadata(table: pa.Table) -> dict:
+    import json
+
+    raw = (table.schema.metadata or {}).get(INDEX_META_KEY)
+    return json.loads(raw) if raw else {}
+
+
+def load_expectation(path: str, tp_rank: int, device: torch.device) -> Expectation:
+    """This rank's rows of the index as device tables. MoetraceError (one line) when the
+    index is unreadable, lacks chunk digests, or holds nothing for this rank."""
+    table = read_index(path, columns=_COLUMNS, tp_rank=tp_rank)
+    if "chunk_digests" not in table.column_names:
+        raise MoetraceError(f"index {path}: has no chunk_digests column, which the guard compares on the device; "
+                            "rebuild it with `moetrace index`")
+    if table.num_rows == 0:
+        raise MoetraceError(f"index {path}: has no rows for tp_rank {tp_rank}")
+    meta = _metadata(table)
+    ids = table.column("checkpoint_id").unique().to_pylist()
+    groups: dict[tuple[int, str], list[tuple[int, int, bytes, bytes]]] = {}
+    for layer, expert, name, nbytes, digest, chunks in zip(*(table.column(c).to_pylist() for c in _COLUMNS[1:])):
+        if chunks is None or len(chunks) != 16 * n_chunks_for(nbytes):
+            raise MoetraceError(f"index {path}: layer {layer} expert {expert} {name} has no chunk digests of its "
+                                f"{nbytes} bytes; rebuild it with `moetrace index`")
+        groups.setdefault((int(layer), name), []).append((int(expert), int(nbytes), digest, chunks))
+    tables = {}
+    for key, rows in groups.items():
+        rows.sort()
+        sizes = {n for _, n, _, _ in rows}
+        if len(sizes) != 1:
+            raise MoetraceError(f"index {path}: layer {key[0]} {key[1]} has experts of different byte lengths {sorted(sizes)}")
+        nbytes = sizes.pop()
+        flat = torch.frombuffer(bytearray(b"".join(c for _, _, _, c in rows)), dtype=torch.uint8)
+        tables[key] = Table(flat.view(len(rows), n_chunks_for(nbytes), 16).to(device), nbytes,
+                            {e: i for i, (e, _, _, _) in enumerate(rows)}, {e: d for e, _, d, _ in rows})
+    return Expectation(str(path), int(tp_rank), device, ids[0] if len(ids) == 1 else None,
+                       meta.get("checkpoint_path"), tables)
