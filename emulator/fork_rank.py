@@ -49,6 +49,8 @@ class RankCase:
     gpu_experts: tuple[int, ...]  # the resident mask handed to load (FP8 ignores it; BF16 copies them first)
     fork_file: str
     fork_version: str
+    index: str | None = None  # the guard verifies every load against it on the rank's device (None: off)
+    guard_rows: str = "all"  # "all": the whole trace for the analysis; "mismatch": production's rows
 
 
 @dataclass(frozen=True)
@@ -194,8 +196,9 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
     with torch.no_grad():
         for n, v in mine.items():
             getattr(resident, n).copy_(v[mask])
+    guard = {"index": case.index, "guard": "record", "guard_rows": case.guard_rows} if case.index else {}
     make_hook({"out": case.traces, "run_id": case.run_id, "checkpoint_id": case.checkpoint_id, "tp_rank": rank,
-               "tp_size": world, "kt": "auto", "cpu_threads": False})
+               "tp_size": world, "kt": "auto", "cpu_threads": False, **guard})
     ctx = build_context(compiled.cls, layer)
     fmt = fork_format(ctx)
     if fmt != case.fmt:

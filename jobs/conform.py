@@ -64,6 +64,7 @@ class ConformResult:
     totals: str
     seconds: dict = field(default_factory=dict)
     report: object = None  # analysis.Report
+    guard: dict = field(default_factory=dict)  # rank -> the in-server guard's record (manifest "guard")
 
 
 def check_case(case: Case, tp: int) -> None:
@@ -173,13 +174,16 @@ def _held(report, fmt: str, tp: int, experts: int) -> dict[int, dict[str, list]]
 
 
 def run_conform(cases: Sequence[Case], tp: int = 2, workdir: str | None = None,
-                timeout_s: float = 120.0) -> list[ConformResult]:
-    """Run every case in one set of TP rank processes (one start-up for all)."""
+                timeout_s: float = 120.0, guard: str | None = "all") -> list[ConformResult]:
+    """Run every case in one set of TP rank processes (one start-up for all). ``guard``:
+    the in-server guard's rows ("all": the whole trace, "mismatch": production's) or None
+    (no guard: capture only)."""
     from moetrace.analysis import analyze
     from moetrace.emulator.fork_fence import check_patchable
     from moetrace.emulator.fork_rank import RankCase, RankJob
     from moetrace.emulator.fork_source import find_fork, find_kt_kernel, parse_fork
     from moetrace.emulator.slow_peer import Control
+    from moetrace.tracer.manifest import read_manifests
 
     for c in cases:
         check_case(c, tp)
@@ -202,7 +206,8 @@ def run_conform(cases: Sequence[Case], tp: int = 2, workdir: str | None = None,
                                                 "kt_kernel": kt_version}))
             rank_cases.append(RankCase(run_id, c.fmt, c.schedule, c.patch_fence, c.writer, str(ck), cid,
                                        str(wd / "traces"), 0, c.experts, HIDDEN, BLOCK * tp,
-                                       tuple(range(1, c.experts, 4)), str(src.path), src.version))
+                                       tuple(range(1, c.experts, 4)), str(src.path), src.version,
+                                       str(index) if guard else None, guard or "all"))
         logs = wd / f"ranks-{uuid.uuid4().hex[:6]}"
         logs.mkdir()
         if any(c.schedule == "slow-peer" for c in cases):
@@ -222,7 +227,8 @@ def run_conform(cases: Sequence[Case], tp: int = 2, workdir: str | None = None,
             out.append(ConformResult(
                 c, tp, fork, report.exit_code, doc["status"], run_id, facts["writer"], facts["writer_kind"],
                 facts["patched"], _held(report, c.fmt, tp, c.experts),
-                [f["sentence"] for f in doc["first_divergence"]], doc["totals"]["sentence"], seconds, report))
+                [f["sentence"] for f in doc["first_divergence"]], doc["totals"]["sentence"], seconds, report,
+                {r: m.get("guard") for r, m in read_manifests(str(wd / "traces"), run_id).items()}))
         return out
     finally:
         if ctl is not None:
@@ -241,7 +247,7 @@ def result_doc(res: ConformResult) -> dict:
             "exit_code": res.exit_code, "status": res.status, "writer": res.writer, "writer_kind": res.writer_kind,
             "patched": res.patched, "held": {str(r): h for r, h in res.held.items()},
             "first_divergence": res.first_divergence, "totals": res.totals, "seconds": res.seconds,
-            "analysis": res.report.doc}
+            "guard": {str(r): g for r, g in res.guard.items()}, "analysis": res.report.doc}
 
 
 def result_lines(doc: dict) -> list[str]:
@@ -256,6 +262,10 @@ def result_lines(doc: dict) -> list[str]:
     word = {0: "PASS: every rank holds its shard, full coverage", 1: "DIVERGENT", 2: "INCOMPLETE"}[doc["exit_code"]]
     lines.append(f"{word}: {doc['totals']}")
     lines += [f"first divergence: {s}" for s in doc["first_divergence"]]
+    if doc.get("guard"):
+        from moetrace.jobs.demo import guard_sentence
+
+        lines.append(f"in-server guard: {guard_sentence(doc['guard'])}")
     for r, tensors in doc["held"].items():
         groups: dict[tuple, list[str]] = {}
         for t, got in tensors.items():

@@ -121,10 +121,11 @@ def guard_records(traces: Path, run_id: str) -> dict[str, dict]:
 def guard_sentence(records: dict[str, dict]) -> str:
     parts = []
     for rank, g in sorted(records.items()):
-        t = g.get("tensors") or {}
-        cov = ", ".join(f"{k} coverage {v:.0%}" for k, v in sorted((g.get("coverage") or {}).items()))
-        parts.append(f"rank {rank} {g.get('status')}: {t.get('mismatch', 0):,} of {t.get('match', 0) + t.get('mismatch', 0):,} "
-                     f"tensors mismatched in {g.get('loads', {}).get('mismatch', 0):,} loads ({cov or 'no coverage'})")
+        t, loads = g.get("tensors") or {}, g.get("loads") or {}
+        checked, n = t.get("match", 0) + t.get("mismatch", 0), loads.get("mismatch", 0)
+        cov = ", ".join(f"{k} {v:.0%}" for k, v in sorted((g.get("coverage") or {}).items())) or "none"
+        parts.append(f"rank {rank} {g.get('status')}: {t.get('mismatch', 0):,}/{checked:,} tensors mismatched "
+                     f"in {n:,} load{'' if n == 1 else 's'}, coverage {cov}")
     return "; ".join(parts) or "no guard record"
 
 
@@ -208,16 +209,36 @@ def detector_proof(workdir: Path, device: str = "cpu", quick: bool = True) -> di
     transport must be caught as E+2 on rank 1's w2 scales, and the fenced one
     must pass with full coverage, on the same injected schedule."""
     pair = run_pair(Path(workdir) / "detector", QUICK if quick else FULL, device)
-    verdict = judge_detector(pair["runs"]["unfenced"]["report"], pair["runs"]["fenced"]["report"])
+    runs = pair["runs"]
+    verdict = judge_detector(runs["unfenced"]["report"], runs["fenced"]["report"],
+                             (runs["unfenced"]["guard"], runs["fenced"]["guard"]))
     verdict["detail"] = f"{verdict['detail']} [staged loads: {pair['staged_by']}]"
     verdict["transport"] = pair["transport"]
     return verdict
 
 
-def judge_detector(unf, fen) -> dict:
+def judge_guard(unf, guard_unf: dict, guard_fen: dict) -> list[str]:
+    """The in-server guard (on the run's device) must agree with the analysis: unfenced,
+    its mismatch counters add up to the analysis' divergent tensors, none on rank 0;
+    fenced, no mismatch, nothing unverified, full coverage on every rank."""
+    problems = []
+    counted = sum((g.get("tensors") or {}).get("mismatch", 0) for g in guard_unf.values())
+    if counted != unf.doc["totals"]["divergent"] or not counted:
+        problems.append(f"the guard counted {counted} mismatching tensors unfenced, the analysis "
+                        f"{unf.doc['totals']['divergent']} divergent")
+    if (guard_unf.get("0", {}).get("tensors") or {}).get("mismatch"):
+        problems.append("the guard counted mismatches on rank 0 unfenced (the slow peer is rank 1)")
+    for rank, g in sorted(guard_fen.items()):
+        t, cov = g.get("tensors") or {}, g.get("coverage") or {}
+        if t.get("mismatch") or t.get("unverified") or not cov or any(v != 1.0 for v in cov.values()):
+            problems.append(f"the guard on fenced rank {rank} is not clean ({guard_sentence({rank: g})})")
+    return problems
+
+
+def judge_detector(unf, fen, guards: tuple[dict, dict] | None = None) -> dict:
     """The detector proof's verdict on two analyzed runs of one schedule: the unfenced
     report must name E+2 on rank 1's w2 scales first, the fenced one must be a clean,
-    complete audit."""
+    complete audit; ``guards``: the in-server guard's records of both runs (judge_guard)."""
     first = [e for f in unf.doc["first_divergence"] for e in f["entries"]]
     caught = unf.exit_code == 1 and any(
         e["verdict"] == "stale" and e.get("k") == 2 and e["tp_rank"] == 1 and e["tensor"] == "w2_weight_scale_inv"
@@ -231,8 +252,11 @@ def judge_detector(unf, fen) -> dict:
         problems.append(f"unfenced run not caught as E+2 on rank 1's w2_weight_scale_inv (audit exit {unf.exit_code}: {got})")
     if not clean:
         problems.append(f"fenced run is not a clean complete audit (exit {fen.exit_code}: {totals['sentence']})")
+    if guards is not None:
+        problems += judge_guard(unf, *guards)
     detail = (
         f"unfenced caught: {first[0]['sentence']}; fenced: {totals['sentence']}"
+        + (f"; in-server guard agrees ({guard_sentence(guards[0])})" if guards is not None else "")
         if not problems else "; ".join(problems)
     )
     return {"ok": not problems, "detail": detail, "unfenced_exit": unf.exit_code, "fenced_exit": fen.exit_code,

@@ -176,6 +176,23 @@ def test_a_fork_patched_by_hand_validates_without_patch_fence(conform_runs):
     assert docs["user_fork_channel"]["exit_code"] == 1
 
 
+def test_guard_in_the_forks_load_counts_what_the_analysis_finds(conform_runs):
+    """The in-server guard ran inside the fork's real load (record, all rows): each rank's
+    mismatch counter is exactly its divergent rows in the analysis; the patched fork keeps
+    every counter at zero with full coverage."""
+    docs = conform_runs[0]
+    for name in ("shipped", "channel", "bf16", "patched", "bf16_patched"):
+        doc = docs[name]
+        rows = doc["analysis"]["divergent_rows"]
+        for rank in range(2):
+            g = doc["guard"][str(rank)]
+            want = sum(1 for r in rows if r["tp_rank"] == rank)
+            assert g["tensors"]["mismatch"] == want and g["tensors"]["unverified"] == 0, (name, rank)
+            assert g["coverage"] == {"staged": 1.0} and g["loads"]["mismatch"] == (1 if want else 0), (name, rank)
+        assert (doc["guard"]["1"]["tensors"]["mismatch"] > 0) == (not doc["case"]["patch_fence"]), name
+    assert docs["patched"]["guard"]["0"]["status"] == docs["patched"]["guard"]["1"]["status"] == "ok"
+
+
 def test_result_lines_name_the_stale_experts(conform_runs):
     doc = conform_runs[0]["shipped"]
     text = "\n".join(result_lines(doc))

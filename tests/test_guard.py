@@ -243,6 +243,18 @@ def test_update_entry_points_are_sglangs():
     assert methods["update_weights_from_disk"][:3] == ["self", "model_path", "load_format"]
     assert not [n for n in methods if n.startswith(("update_", "receive_", "load_"))
                 and not n.startswith(weight_events._UPDATE_PREFIXES)]
+    from moetrace.emulator.fork_source import find_fork
+    from moetrace.errors import MoetraceError as NoFork
+
+    try:  # the KT fork keeps them on ModelRunner
+        fork = find_fork(None).path.parents[3] / "srt" / "model_executor" / "model_runner.py"
+    except NoFork:
+        return
+    cls = next(n for n in ast.parse(fork.read_text()).body if isinstance(n, ast.ClassDef) and n.name == "ModelRunner")
+    methods = {f.name: [a.arg for a in f.args.args] for f in cls.body if isinstance(f, ast.FunctionDef)}
+    assert {"update_weights_from_disk", "update_weights_from_distributed", "update_weights_from_tensor",
+            "update_weights_from_ipc"} <= set(methods)
+    assert methods["update_weights_from_disk"][:3] == ["self", "model_path", "load_format"]
 
 
 def test_guard_config_refusals(tmp_path):

@@ -94,3 +94,15 @@ def test_gpu_script_dry_run(gpu_script_dry_run):
     steps = (out / "steps.txt").read_text().split("\n")
     assert all(" rc=0 " in line for line in steps if line), steps
     assert "| selftest | exit 0" in run["stdout"] and "fingerprint_all_cores" in run["stdout"]
+
+
+def test_detector_checks_the_guard_against_the_analysis(demo_run):
+    """The detector proof also judges the in-server guard: on the demo pair it agrees with
+    the analysis; with the runs' guard records swapped (a guard blind to the race) it fails."""
+    unf, fen = _demo_reports(demo_run)
+    guards = demo_run.summary["runs"]["unfenced"]["guard"], demo_run.summary["runs"]["fenced"]["guard"]
+    res = demo.judge_detector(unf, fen, guards)
+    assert res["ok"] and "in-server guard agrees" in res["detail"], res
+    res = demo.judge_detector(unf, fen, guards[::-1])
+    assert not res["ok"] and "the guard counted 0 mismatching tensors" in res["detail"]
+    assert "the guard on fenced rank 1 is not clean" in res["detail"]
