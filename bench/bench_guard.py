@@ -8,7 +8,8 @@ H 3072, I 1024; rank 1 of TP2 holds 1.21 GB in 1,024 tensors) and its TP2 index:
             mismatches only (lanes on the device, device fold and compare, one result
             copy). Baselines: dst.copy_(src) of the layer (on CUDA also the pinned host
             -> device copy, the transport's own cost: the GPU target is guard <= 2% of it)
-            and the capture without the guard (hook); rounds interleaved, medians.
+            and the capture without the guard (hook: what the server waits for; its writer
+            thread drains between candidates); rounds interleaved, medians.
 - emulated: staged loads of that layer in the emulated TP2 KT transport (fenced, no
             injection), rank 0's load time with no moetrace hook vs with the guard spec.
 - conform:  the installed fork's own SharedFullContext.load (moetrace conform's small
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from moetrace.jobs.timing import interleaved, median, median_ratio
+from moetrace.jobs.timing import best_of, median, median_ratio
 
 
 def prepare(work: Path, experts: int) -> tuple[Path, Path]:
@@ -72,7 +73,11 @@ def bench_layer(ckpt: Path, index: Path, device: str, repeats: int) -> dict:
         fns["guard"] = lambda: guarded.capture(src, layer=0, source="staged", step=next(step), experts=experts)
         fns["guard"]()  # warm: keys and tables on the device, kernel compilation
         fns["hook"]()
-        times = interleaved(fns, repeats, sync)
+        times = {k: [] for k in fns}
+        for _ in range(repeats):  # interleaved rounds; the hook's writer thread drains between candidates
+            for name, fn in fns.items():
+                plain.flush(timeout=600)
+                times[name].append(best_of(fn, 1, sync))
         g = guarded.sink.manifest()["guard"]
         plain.close()
         guarded.close()

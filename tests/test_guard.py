@@ -336,3 +336,32 @@ def test_fail_closed_fails_the_emulated_pass(make_ckpt, tmp_path):
     rows = read_rows(str(tmp_path / "t"), "fc", rank=1).to_pylist()
     assert sorted((r["expert"], r["tensor"], r["online"]) for r in rows) == [
         (e, "w2_weight_scale_inv", "mismatch") for e in range(E - 2)]
+
+
+def test_unchanged_resident_weights_keep_their_verdict_without_device_work(model, tmp_path):
+    """Resident weights provably unchanged (same weights key) are not verified again; an
+    in-place write is; a remembered mismatch still fails every pass under fail-closed."""
+    tr = _tracer(tmp_path, model.idx_a, guard="fail-closed")
+    params = {k: torch.nn.Parameter(v.clone(), requires_grad=False) for k, v in model.host_a[0].items()}
+
+    def forward(step, epoch=1):
+        tr.capture(params, layer=0, source="resident", step=step, experts=range(E), weights_epoch=epoch)
+
+    try:
+        for step in range(3):
+            forward(step)
+        g = tr.sink.manifest()["guard"]
+        assert g["tensors"] == {"match": ALL, "mismatch": 0, "unverified": 0, "reused": 2 * ALL}
+        assert tr.fingerprinted == 4 and g["loads"]["ok"] == 1 and g["coverage"] == {"resident": 0.5}
+        with torch.no_grad():  # expert 3's down-proj scale becomes expert 5's (the version counter moves)
+            params["w2_weight_scale_inv"][3] = params["w2_weight_scale_inv"][5]
+        for step in (3, 4):
+            with pytest.raises(GuardMismatch, match="resident weights: 1 tensor does not match .* expert 3"):
+                forward(step)
+        g = tr.sink.manifest()["guard"]
+        # step 3 re-verifies the written tensor's E rows (one mismatch), reuses the other three
+        # tensors; step 4 reuses all four, the mismatch included, and still fails
+        assert g["tensors"] == {"match": ALL + E - 1, "mismatch": 1, "unverified": 0, "reused": 3 * ALL + 3 * E}
+        assert tr.fingerprinted == 5  # only the written tensor was verified again
+    finally:
+        tr.close()

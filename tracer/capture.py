@@ -201,6 +201,7 @@ class Tracer:
         submitted = 0
         for it in items:
             if it.fps is None:
+                self.fingerprinted += 1
                 lanes, ready = self._host_lanes(row_lanes(it.rows))
             else:
                 lanes, ready = None, None
@@ -225,7 +226,6 @@ class Tracer:
         if keep is not None and len(keep) != data.shape[0]:
             data = data.index_select(0, torch.as_tensor(keep, device=data.device))
         rows = row_bytes(data)
-        self.fingerprinted += 1
         return CapturedTensor(name, data, int(rows.shape[1]), rows, key, None)
 
     def batch(self, event: CaptureEvent, it: CapturedTensor, lanes, ready, fps, rows: list[int] | None = None

@@ -111,6 +111,7 @@ class Guard:
                     pending.append((it, memo, None, None))
                     continue
                 lanes = row_lanes(it.rows)
+                tracer.fingerprinted += 1
                 host = tracer._host_lanes(lanes) if self.rows == "all" else None
                 flags = None if exp is None else exp.compare(event.layer, it.name, experts, lanes, it.nbytes)
                 if flags is not None:
