@@ -53,9 +53,9 @@ run selftest "$py" -m moetrace.cli selftest --device "$device" $quick --json
 run bench_fingerprint "$py" "$here/bench/bench_fingerprint.py" --device "$device" --json $quick
 run bench_capture "$py" "$here/bench/bench_capture.py" --device "$device" $quick
 run bench_fence "$py" "$here/bench/bench_fence.py" --device "$device" $quick
-# The guard on one full Qwen3.5-122B layer-load (256 experts; 8 in a dry run): target <= 2% of the pinned H2D copy.
+# The guard on one full Qwen3.5-122B layer-load (256 experts; 2 in a dry run): target <= 2% of the pinned H2D copy.
 guard_size=""
-[ "${DRY_RUN:-0}" = 1 ] && guard_size="--experts 8"
+[ "${DRY_RUN:-0}" = 1 ] && guard_size="--experts 2"
 run bench_guard "$py" "$here/bench/bench_guard.py" --device "$device" --no-emulated --json $guard_size
 
 "$py" - "$out" <<'PY'

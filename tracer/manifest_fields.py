@@ -67,6 +67,7 @@ RANK_MANIFEST_FIELDS: dict[str, str] = {
     "notes": "list",
     "online": "dict",
     "dumps": "dict",
+    "guard": "dict|null",  # the in-server guard's record (tracer.guard), null when it is off
     "parts": "list",
 }
 
