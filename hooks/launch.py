@@ -119,7 +119,12 @@ def summary_line(run_id: str, manifests: dict[int, dict], expected_ranks: int | 
     mismatch = sum(int(o.get("mismatch") or 0) for o in online)
     unchecked = sum(int(o.get("unchecked") or 0) for o in online)
     indexed = any((m.get("config") or {}).get("index") for m in manifests.values())
-    if online and (match or mismatch or indexed):
+    guards = [m["guard"] for m in manifests.values() if isinstance(m.get("guard"), dict)]
+    if guards:  # the guard's counts: its trace rows may be the mismatches only
+        t = {k: sum(int((g.get("tensors") or {}).get(k) or 0) for g in guards) for k in ("match", "mismatch")}
+        loads = sum(int((g.get("loads") or {}).get("mismatch") or 0) for g in guards)
+        line += f"; guard: {t['match'] + t['mismatch']:,} tensors verified, {t['mismatch']:,} mismatched in {loads:,} loads"
+    elif online and (match or mismatch or indexed):
         line += f"; online check: {match:,} match, {mismatch:,} mismatch"
         if unchecked:
             line += f", {unchecked:,} unchecked"
