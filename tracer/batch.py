@@ -36,7 +36,7 @@ class CapturedTensor:
     name: str
     data: torch.Tensor  # [rows, ...]: the captured experts only (when fingerprinted)
     nbytes: int  # per row
-    rows: torch.Tensor | None  # uint8 [rows, nbytes] view of data; None when fps is reused
+    rows: torch.Tensor  # uint8 [rows, nbytes] view of data
     key: object | None  # tracer.unchanged.WeightsKey: the parameter provably unchanged while equal
     fps: list[Fingerprint] | None  # reused fingerprints (unchanged resident weights)
 

@@ -202,7 +202,7 @@ class Tracer:
         for it in items:
             if it.fps is None:
                 self.fingerprinted += 1
-                lanes, ready = self._host_lanes(row_lanes(it.rows))
+                lanes, ready = self.host_lanes(row_lanes(it.rows))
             else:
                 lanes, ready = None, None
                 self.sink.update(resident_reused=self.resident.reused)
@@ -221,12 +221,10 @@ class Tracer:
         key = weights_key(t, experts, epoch)
         fps = self.resident.lookup(layer, name, key)
         data = t.detach()
-        if fps is not None:
-            return CapturedTensor(name, data, fps[0].nbytes, None, key, fps)
         if keep is not None and len(keep) != data.shape[0]:
             data = data.index_select(0, torch.as_tensor(keep, device=data.device))
-        rows = row_bytes(data)
-        return CapturedTensor(name, data, int(rows.shape[1]), rows, key, None)
+        rows = row_bytes(data)  # a view of a contiguous parameter: nothing is read unless fingerprinted
+        return CapturedTensor(name, data, int(rows.shape[1]), rows, key, fps)
 
     def batch(self, event: CaptureEvent, it: CapturedTensor, lanes, ready, fps, rows: list[int] | None = None
               ) -> CaptureBatch:
@@ -239,7 +237,7 @@ class Tracer:
             positions=pick(event.positions), time_ns=event.time_ns, lanes=lanes, ready=ready, fps=fps,
         )
 
-    def _host_lanes(self, dev):
+    def host_lanes(self, dev):
         """Device lanes -> (host lanes, event to wait on): one small non-blocking D2H, no sync."""
         if dev.device.type == "cpu":
             return dev, None

@@ -47,7 +47,7 @@ class Guard:
         self.tp_rank, self.tp_size = int(tp_rank), int(tp_size)
         self.sink = sink
         self._lock = threading.RLock()
-        self.expectation, self.reason = None, None
+        self.expectation, self.reason, self._generation = None, None, 0
         self.device = guard_device()
         self._set_expectation(config.index, None)
         from moetrace.tracer.metrics import GuardMetrics  # prometheus-client only when the guard is on
@@ -72,7 +72,7 @@ class Guard:
     def _set_expectation(self, index: str | None, why_none: str | None) -> None:
         with self._lock:
             self.expectation, self.reason, self._memo = None, why_none, {}
-            self._generation = getattr(self, "_generation", 0) + 1
+            self._generation += 1
             self._expected_per_pass = 0
             if index is None:
                 return
@@ -112,12 +112,13 @@ class Guard:
                     continue
                 lanes = row_lanes(it.rows)
                 tracer.fingerprinted += 1
-                host = tracer._host_lanes(lanes) if self.rows == "all" else None
+                host = tracer.host_lanes(lanes) if self.rows == "all" else None
                 flags = None if exp is None else exp.compare(event.layer, it.name, experts, lanes, it.nbytes)
                 if flags is not None:
                     flags_on_device.append(flags)
                 pending.append((it, flags, lanes, host))
-            # The one device-to-host copy of this load (waits for the guard's own kernels only).
+            # The one device-to-host copy of this load: it waits for what the stream ran before it
+            # (a staged load ends with the fork's own device sync: the guard's kernels only).
             back = torch.cat(flags_on_device).cpu().tolist() if flags_on_device else []
             results, at = [], 0
             for it, flags, lanes, host in pending:
