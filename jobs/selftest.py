@@ -117,9 +117,12 @@ def prove_fingerprint(device: str, quick: bool, on_device: Callable[[torch.Tenso
         checked += 1  # the guard's fold of those lanes on the device = the host fold
         rows = F.row_bytes(w.to(dev))
         lanes = F.row_lanes(rows)
-        if not np.array_equal(F.device_chunk_digests(lanes, rows.shape[1]).cpu().numpy(),
-                              F.chunk_digests(lanes.cpu().numpy(), rows.shape[1])):
-            mismatches.append("device_chunk_digests of fingerprint_rows' lanes")
+        host = F.chunk_digests(lanes.cpu().numpy(), rows.shape[1])
+        low, high = F.device_lane_words(lanes)
+        want = F.expected_lane_words(host, rows.shape[1])
+        if not (np.array_equal(F.device_chunk_digests(lanes, rows.shape[1]).cpu().numpy(), host)
+                and np.array_equal(low.cpu().numpy(), want[0]) and np.array_equal(high.cpu().numpy(), want[1])):
+            mismatches.append("the guard's device fold of fingerprint_rows' lanes")
         sensitivity = _sensitivity(dev)
         ok = not mismatches and not sensitivity
         where = f"{'CUDA' if dev.type == 'cuda' else 'CPU'} {'+'.join(methods)}"

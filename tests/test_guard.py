@@ -66,15 +66,19 @@ def _context_class():
 
 
 def test_device_fold_is_the_host_fold():
-    """fingerprint.device_chunk_digests gives chunk_digests' bytes: random lanes, the
+    """fingerprint.device_chunk_digests gives chunk_digests' bytes, and device_lane_words
+    what expected_lane_words derives from them (the guard's compare): random lanes, the
     int32 extremes, a short last chunk, a one-byte tensor."""
     rng = np.random.default_rng(7)
     for nbytes in (1, 4095, fp.CHUNK_BYTES, fp.CHUNK_BYTES + 1, 5 * fp.CHUNK_BYTES - 3):
         n = fp.n_chunks_for(nbytes)
         for lanes in (rng.integers(-2**31, 2**31, size=(3, n, fp.LANES)).astype(np.int32),
                       np.full((1, n, fp.LANES), -2**31, np.int32), np.full((1, n, fp.LANES), 2**31 - 1, np.int32)):
-            got = fp.device_chunk_digests(torch.from_numpy(lanes), nbytes).numpy()
-            assert np.array_equal(got, fp.chunk_digests(lanes, nbytes)), nbytes
+            host = fp.chunk_digests(lanes, nbytes)
+            assert np.array_equal(fp.device_chunk_digests(torch.from_numpy(lanes), nbytes).numpy(), host), nbytes
+            low, high = fp.device_lane_words(torch.from_numpy(lanes))
+            want_low, want_high = fp.expected_lane_words(host, nbytes)
+            assert np.array_equal(low.numpy(), want_low) and np.array_equal(high.numpy(), want_high), nbytes
 
 
 def test_staged_race_counted_scraped_and_traced(model, tmp_path, caplog):

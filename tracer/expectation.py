@@ -1,11 +1,12 @@
 """One rank's expected digests on its device, and the on-device comparison the guard runs.
 
 Read once through the one index reader (this rank's rows only), each (layer, tensor)
-becomes one uint8 [experts, chunks, 16] table of the index's chunk digests on the
-rank's device. A captured tensor's lanes are folded into chunk digests where they
-are (``fingerprint.device_chunk_digests``) and compared with its table: equal chunk
-digests and byte length are exactly equal digests (a digest is a hash of them).
-The result is one flag per captured expert, still on the device.
+becomes a table on the rank's device of what the fold of its lanes must give:
+``fingerprint.expected_lane_words`` of the index's chunk digests, int64 (low, high)
+halves [experts, chunks, 2] each. A captured tensor's lanes are folded where they are
+(``fingerprint.device_lane_words``) and compared with its table: equal chunk digests
+and byte length are exactly equal digests (a digest is a hash of them). The result is
+one flag per captured expert, still on the device.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 
 from moetrace.checkpoints.index import INDEX_META_KEY, read_index
 from moetrace.errors import MoetraceError
-from moetrace.fingerprint import device_chunk_digests, n_chunks_for
+import numpy as np
+
+from moetrace.fingerprint import device_lane_words, expected_lane_words, n_chunks_for
 
 MATCH, MISMATCH, UNVERIFIED = 0, 1, 2  # flag codes, one per captured expert
 VERDICTS = ("match", "mismatch", "unverified")  # the same, as words (metrics, manifest)
@@ -26,9 +29,10 @@ _COLUMNS = ["checkpoint_id", "layer", "expert", "tensor", "nbytes", "digest", "c
 
 @dataclass
 class Table:
-    """Expected chunk digests of one (layer, tensor) on one device."""
+    """What the lanes of one (layer, tensor) must fold to, on one device."""
 
-    digests: torch.Tensor  # uint8 [rows, chunks, 16]
+    low: torch.Tensor  # int64 [rows, chunks, 2]: the low 32-bit halves of each chunk's two words
+    high: torch.Tensor  # the same, high halves
     nbytes: int
     row_of: dict[int, int]  # expert id -> row
     digest_of: dict[int, bytes]  # expert id -> 16-byte digest (host, for dumps)
@@ -40,7 +44,7 @@ class Table:
         if found is None:
             rows = [self.row_of.get(e, -1) for e in experts]
             known = [r >= 0 for r in rows]
-            dev = self.digests.device
+            dev = self.low.device
             index = None if rows == list(range(len(rows))) else torch.tensor([max(r, 0) for r in rows]).to(dev)
             mask = None if all(known) else torch.tensor(known).to(dev)
             if len(self._lookups) < 64:  # captures name a handful of expert lists per layer
@@ -76,7 +80,8 @@ class Expectation:
         """The same tables on another device (a capture on an unexpected device; once)."""
         if device == self.device:
             return self
-        tables = {k: Table(t.digests.to(device), t.nbytes, t.row_of, t.digest_of) for k, t in self.tables.items()}
+        tables = {k: Table(t.low.to(device), t.high.to(device), t.nbytes, t.row_of, t.digest_of)
+                  for k, t in self.tables.items()}
         return Expectation(self.path, self.tp_rank, device, self.checkpoint_id, self.checkpoint_path, tables)
 
     def compare(self, layer: int, tensor: str, experts: tuple[int, ...], lanes: torch.Tensor,
@@ -88,11 +93,13 @@ class Expectation:
             return None
         index, known = table.lookup(experts)
         r = lanes.shape[0]
-        if nbytes != table.nbytes or lanes.shape[1] != table.digests.shape[1]:
+        if nbytes != table.nbytes or lanes.shape[1] != table.low.shape[1]:
             flags = torch.full((r,), MISMATCH, dtype=torch.uint8, device=lanes.device)
         else:
-            want = table.digests if index is None else table.digests.index_select(0, index)
-            equal = (device_chunk_digests(lanes, nbytes) == want).view(r, -1).all(dim=1)
+            low, high = device_lane_words(lanes)
+            want_low, want_high = ((table.low, table.high) if index is None else
+                                   (table.low.index_select(0, index), table.high.index_select(0, index)))
+            equal = ((low == want_low) & (high == want_high)).view(r, -1).all(dim=1)
             flags = (~equal).to(torch.uint8)  # MATCH 0, MISMATCH 1
         if known is not None:
             flags = torch.where(known, flags, torch.full_like(flags, UNVERIFIED))
@@ -138,8 +145,9 @@ def load_expectation(path: str, tp_rank: int, device: torch.device) -> Expectati
         if len(sizes) != 1:
             raise MoetraceError(f"index {path}: layer {key[0]} {key[1]} has experts of different byte lengths {sorted(sizes)}")
         nbytes = sizes.pop()
-        flat = torch.frombuffer(bytearray(b"".join(c for _, _, _, c in rows)), dtype=torch.uint8)
-        tables[key] = Table(flat.view(len(rows), n_chunks_for(nbytes), 16).to(device), nbytes,
+        chunks = np.frombuffer(b"".join(c for _, _, _, c in rows), dtype=np.uint8).reshape(len(rows), -1, 16)
+        low, high = expected_lane_words(chunks, nbytes)
+        tables[key] = Table(torch.from_numpy(low).to(device), torch.from_numpy(high).to(device), nbytes,
                             {e: i for i, (e, _, _, _) in enumerate(rows)}, {e: d for e, _, d, _ in rows})
     return Expectation(str(path), int(tp_rank), device, ids[0] if len(ids) == 1 else None,
                        meta.get("checkpoint_path"), tables)
