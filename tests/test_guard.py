@@ -374,3 +374,38 @@ def test_unchanged_resident_weights_keep_their_verdict_without_device_work(model
         assert tr.fingerprinted == 5  # only the written tensor was verified again
     finally:
         tr.close()
+
+
+def test_hook_spec_guard_options(model, tmp_path):
+    from click.testing import CliRunner
+
+    from moetrace.cli import main
+
+    r = CliRunner().invoke(main, ["hook-spec", "--out", str(tmp_path), "--index", model.idx_a, "--guard", "fail-closed",
+                                  "--guard-rows", "all", "--metrics-port", "9400", "--update-index-dir", model.updates])
+    assert r.exit_code == 0, r.output
+    config = json.loads(r.output)[0]["config"]
+    assert (config["guard"], config["guard_rows"], config["metrics_port"], config["update_index_dir"]) == (
+        "fail-closed", "all", 9400, model.updates)
+    r = CliRunner().invoke(main, ["hook-spec", "--out", str(tmp_path), "--guard", "alert"])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        "moetrace: error: guard needs an index (the expected digests it verifies against): give --index"]
+    r = CliRunner().invoke(main, ["hook-spec", "--out", str(tmp_path), "--index", model.idx_a, "--guard", "alert",
+                                  "--update-index-dir", str(tmp_path / "none")])
+    assert r.exit_code == 2 and "--update-index-dir" in r.output and "no such folder" in r.output
+
+
+def test_metrics_port_in_use_is_said_and_the_guard_goes_on(model, tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        tr = _tracer(tmp_path, model.idx_a, guard="record", metrics_port=taken.getsockname()[1])
+        try:
+            tr.capture(model.host_a[0], layer=0, source="staged", step=0, experts=range(E))
+            g = tr.sink.manifest()["guard"]
+        finally:
+            tr.close()
+    assert g["metrics"]["exporter"] == "none" and "cannot serve metrics on 127.0.0.1:" in g["metrics"]["reason"]
+    assert g["status"] == "ok" and g["tensors"]["match"] == ALL
