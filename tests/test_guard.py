@@ -228,6 +228,10 @@ def test_weight_updates_reverify_or_report_unverified(model, tmp_path, monkeypat
         assert total(s, updates, entry="update_weights_from_disk", result="reverified") == 2
         assert total(s, updates, entry="update_weights_from_tensor", result="unverified") == 1
         assert total(s, "moetrace:guard_status", status="unverified") == 1
+        updater.update_weights_from_disk(model.a, "auto")  # the serving checkpoint again: its own index
+        forward_pass()
+        g = guard()
+        assert g["index"] == model.idx_a and g["status_reason"] is None and g["tensors"]["match"] == 6 * ALL
     finally:
         assert sglang_hook.close_all(timeout=10)
 

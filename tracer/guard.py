@@ -290,23 +290,21 @@ class Guard:
         self.publish()
 
     def _update_index(self, model_path: str) -> str | None:
-        """The newest index in update_index_dir built from model_path at this TP size."""
-        folder = self.config.update_index_dir
-        if not folder or not os.path.isdir(folder):
-            return None
+        """The index built from model_path at this TP size: the newest in update_index_dir,
+        else the serving index itself (the same checkpoint loaded again, e.g. EPLB's recovery)."""
         from moetrace.checkpoints.index import index_metadata
 
+        folder = self.config.update_index_dir
+        names = sorted(os.listdir(folder)) if folder and os.path.isdir(folder) else []
+        paths = [os.path.join(folder, n) for n in names if n.endswith(".parquet")]
         want, found = os.path.realpath(model_path), []
-        for name in sorted(os.listdir(folder)):
-            path = os.path.join(folder, name)
-            if not name.endswith(".parquet") or not os.path.isfile(path):
-                continue
+        for path in [p for p in paths if os.path.isfile(p)] + [self.config.index]:
             try:
                 meta = index_metadata(path)
             except MoetraceError:
                 continue
             if os.path.realpath(str(meta.get("checkpoint_path") or "")) == want and meta.get("tp_size") == self.tp_size:
-                found.append((os.path.getmtime(path), path))
+                found.append((os.path.getmtime(path) if path != self.config.index else 0.0, path))
         return max(found)[1] if found else None
 
     # ------------------------------------------------------------ manifest
