@@ -11,15 +11,15 @@ one flag per captured expert, still on the device.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
 import torch
 
 from moetrace.checkpoints.index import INDEX_META_KEY, read_index
 from moetrace.errors import MoetraceError
-import numpy as np
-
 from moetrace.fingerprint import device_lane_words, expected_lane_words, n_chunks_for
 
 MATCH, MISMATCH, UNVERIFIED = 0, 1, 2  # flag codes, one per captured expert
@@ -115,8 +115,6 @@ def guard_device() -> torch.device:
 
 
 def _metadata(table: pa.Table) -> dict:
-    import json
-
     raw = (table.schema.metadata or {}).get(INDEX_META_KEY)
     return json.loads(raw) if raw else {}
 
