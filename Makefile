@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 SGLANG_VERSION ?= 0.5.23
 SGLANG_KT_VERSION ?= 0.7.2
-# The KT fork installs the import package `sglang` too: kept in a side folder.
-SGLANG_KT_DIR := $(VENV)/side/sglang-kt
+KT_KERNEL_VERSION ?= 0.7.2
+# KTransformers' fork and kt-kernel live beside the venv, not in it: the fork's
+# import package is also `sglang`. conform, demo and selftest find them here.
+KT_SIDE := $(VENV)/kt-side
 
 .PHONY: demo test venv clean
 
@@ -17,8 +19,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q -e '.[test]'
 	# SGLang without its GPU dependencies: tests run its own hook manager.
 	$(PIP) install -q --no-deps sglang==$(SGLANG_VERSION)
-	# The fork beside it (tests run its dynamic expert update; tests/support/sglang_parts.py).
-	$(PIP) install -q --no-deps --target $(SGLANG_KT_DIR) sglang-kt==$(SGLANG_KT_VERSION)
+	# The fork and kt-kernel without dependencies (kt-kernel pins torch 2.9.1), and
+	# gguf, the one package kt-kernel needs to import its wrapper.
+	rm -rf $(KT_SIDE)
+	$(PIP) install -q --no-deps --target $(KT_SIDE) sglang-kt==$(SGLANG_KT_VERSION) kt-kernel==$(KT_KERNEL_VERSION)
+	$(PIP) install -q gguf
 	touch $@
 
 venv: $(VENV)/.installed
@@ -26,8 +31,9 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/moetrace demo
 
+# MOETRACE_REQUIRE_FORK: the tests that run the fork's code fail (not skip) without it.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	MOETRACE_REQUIRE_FORK=1 $(PY) -m pytest -q
 
 clean:
 	rm -rf $(VENV) *.egg-info

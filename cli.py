@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import click
@@ -12,7 +13,10 @@ from moetrace.errors import MoetraceError
 
 
 class _Group(click.Group):
-    """Turns MoetraceError into one line on stderr and its exit code: no traceback."""
+    """Every failure is one line on stderr and a non-zero exit, never a traceback:
+    MoetraceError with its exit code, a usage error with 2, any unexpected error with 2
+    (1 is reserved for "divergence found"), Ctrl-C with 130. MOETRACE_DEBUG=1 re-raises
+    unexpected errors, for the traceback."""
 
     def invoke(self, ctx):
         try:
@@ -24,7 +28,22 @@ class _Group(click.Group):
             where = err.ctx.command_path if err.ctx is not None else "moetrace"
             msg = " ".join(err.format_message().split())
             click.echo(f"moetrace: error: {msg} (see '{where} --help')", err=True)
-            sys.exit(err.exit_code)
+            sys.exit(2)
+        except (click.exceptions.Exit, click.Abort):
+            raise
+        except click.ClickException as err:
+            click.echo(f"moetrace: error: {' '.join(err.format_message().split())}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("moetrace: interrupted", err=True)
+            sys.exit(130)
+        except Exception as err:
+            if os.environ.get("MOETRACE_DEBUG"):
+                raise
+            why = " ".join(str(err).split()) or "no message"
+            click.echo(f"moetrace: error: unexpected {type(err).__name__}: {why} "
+                       "(a moetrace bug: please report it; MOETRACE_DEBUG=1 shows the traceback)", err=True)
+            sys.exit(2)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -33,13 +52,21 @@ def main() -> None:
     """Trace MoE expert weights from checkpoint to GPU and find where they diverge."""
 
 
+def _stderr(message: str) -> None:
+    click.echo(message, err=True)
+
+
 # Commands register themselves below, one section per area of the data flow.
 # ---- checkpoints: make-checkpoint ------------------------------------------
 @main.command("make-checkpoint")
 @click.option("--family", type=click.Choice(["qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3"]),
               default="qwen3_5_moe", show_default=True, help="Model family: sets architecture, config keys and tensor names.")
-@click.option("--format", "fmt", type=click.Choice(["fp8_block", "fp8_channel", "bf16"]), default="fp8_block",
-              show_default=True, help="Expert weight format (fp8_block: 128x128 weight_scale_inv; fp8_channel: weight_scale).")
+@click.option("--format", "fmt", type=click.Choice(["fp8_block", "fp8_channel", "fp8_tensor", "bf16"]), default="fp8_block",
+              show_default=True, help="Expert weight format: FP8 with block, per-channel or per-tensor scales, or BF16.")
+@click.option("--quant-method", type=click.Choice(["fp8", "compressed-tensors"]), default=None,
+              help="quantization_config.quant_method [default: compressed-tensors for fp8_channel, else fp8].")
+@click.option("--block", default="128", show_default=True,
+              help="fp8_block scale block: N (N x N) or N,K (block_n over output rows, block_k over input columns).")
 @click.option("--fused", is_flag=True, help="BF16 only: write fused 3-D mlp.experts.gate_up_proj/down_proj (Qwen3.5 BF16 layout).")
 @click.option("--layers", type=int, default=2, show_default=True, help="num_hidden_layers, dense layers included.")
 @click.option("--experts", type=int, default=8, show_default=True, help="Routed experts per MoE layer.")
@@ -52,10 +79,10 @@ def main() -> None:
 @click.option("--dense-layers", type=int, default=0, show_default=True,
               help="Leading dense layers (first_k_dense_replace / mlp_only_layers).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Changes every value (synthetic_values seed).")
-@click.option("-o", "--out", type=click.Path(file_okay=False), required=True, help="New or empty output directory.")
+@click.option("-o", "--out", required=True, help="New or empty output directory (written whole or not at all).")
 @click.option("--json", "as_json", is_flag=True, help='Print {"path": ..., "identity": ...} instead of the path.')
-def make_checkpoint(family, fmt, fused, layers, experts, hidden, intermediate, scale_dtype, files, dense_layers, seed, out,
-                    as_json) -> None:  # fmt: skip
+def make_checkpoint(family, fmt, quant_method, block, fused, layers, experts, hidden, intermediate, scale_dtype, files,
+                    dense_layers, seed, out, as_json) -> None:  # fmt: skip
     """Write a small synthetic MoE checkpoint with real names, dtypes and layout.
 
     Every expert element is a known function of (layer, expert, projection, row,
@@ -73,9 +100,16 @@ def make_checkpoint(family, fmt, fused, layers, experts, hidden, intermediate, s
     from moetrace.checkpoints.reader import open_checkpoint
     from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
 
+    try:
+        sizes = tuple(int(b) for b in block.split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) not in (1, 2):
+        raise MoetraceError(f"--block {block!r}: expected N or N,K (positive integers)")
     path = write_synthetic_checkpoint(
         out, family=family, fmt=fmt, num_layers=layers, num_experts=experts, hidden=hidden, intermediate=intermediate,
         scale_dtype=scale_dtype, num_files=files, dense_layers=dense_layers, seed=seed, fused=fused,
+        quant_method=quant_method, block=sizes if len(sizes) == 2 else sizes[0],
     )  # fmt: skip
     if as_json:
         with open_checkpoint(path) as ckpt:
@@ -95,12 +129,15 @@ def make_checkpoint(family, fmt, fused, layers, experts, hidden, intermediate, s
               help="The server's --moe-dp-size (moe_tp = tp / ep / moe_dp).")
 @click.option("--layers", default=None, help="MoE layers to index, e.g. 0,2,5-7 (default: all MoE layers).")
 @click.option("--up-first", is_flag=True, help="w13 holds up rows before gate rows (flashinfer-trtllm runner).")
+@click.option("--layout-from", "layout_from", default=None, metavar="TRACE",
+              help="Build for the layout a trace recorded (order, padding, reproduced transforms; docs/compat.md).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where to fingerprint; the digests are bit-identical on both.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str), help="Index Parquet file to write.")
 @click.option("--no-cache", is_flag=True, help="Rebuild even if the cache holds this index.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of text; no progress bar.")
-def index_cmd(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, device, output, no_cache, as_json):
+def index_cmd(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layout_from, device, output, no_cache,
+              as_json):
     """Fingerprint the TP shard of every expert a rank may hold, per the checkpoint.
 
     \b
@@ -113,14 +150,24 @@ def index_cmd(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, devic
     from moetrace.checkpoints.reader import open_checkpoint
     from moetrace.schema import parse_ids
 
+    from moetrace.checkpoints.layout import ServerLayout
+
     spec = open_checkpoint(checkpoint).spec
     wanted = parse_ids(layers, "--layers", bound=spec.num_layers)
     if tp_size % (ep_size * moe_dp_size):
         raise MoetraceError(f"--tp {tp_size} is not divisible by --ep {ep_size} x --moe-dp {moe_dp_size}")
+    if layout_from and up_first:
+        raise MoetraceError("pass --up-first or --layout-from, not both")
+    layout = ServerLayout(up_first=up_first)
+    if layout_from:
+        from moetrace.analysis.layouts import layout_of_trace
+
+        layout = layout_of_trace([layout_from], spec)
+    # one unit per (model, layer, moe_tp_rank); +1 layer for a draft model
     n_units = (len(wanted if wanted is not None else spec.moe_layers) + 1) * (tp_size // ep_size // moe_dp_size)
     show_bar = not as_json and sys.stderr.isatty()
     with click.progressbar(length=n_units, label="fingerprinting", file=sys.stderr) if show_bar else _NullBar() as bar:
-        summary = make_index(checkpoint, output, tp_size, ep_size, wanted, up_first, device, not no_cache, bar.update,
+        summary = make_index(checkpoint, output, tp_size, ep_size, wanted, layout, device, not no_cache, bar.update,
                              moe_dp_size)
     if as_json:
         click.echo(json.dumps(summary))
@@ -160,6 +207,18 @@ def _capture_options(f):
         click.option("--dump-max-count", type=click.IntRange(min=0), default=None,
                      help="Dump up to N mismatching tensors as safetensors (needs --index; default 0)."),
         click.option("--dump-max-bytes", type=click.IntRange(min=0), default=None, help="Byte cap of all dumps (default 256 MiB)."),
+        click.option("--guard", type=click.Choice(["record", "alert", "fail-closed"]), default=None,
+                     help="Verify every staged load and resident weight change on the device against --index; on a "
+                          "mismatch record it, also log an ERROR (alert), or fail the forward pass (fail-closed). "
+                          "docs/guard.md."),
+        click.option("--guard-rows", type=click.Choice(["mismatch", "all"]), default=None,
+                     help="Trace rows of guarded captures: mismatches only (default) or all."),
+        click.option("--metrics-port", type=click.IntRange(min=0, max=65535), default=None,
+                     help="Serve the guard's Prometheus metrics on 127.0.0.1:PORT+tp_rank (0: any free port; "
+                          "unneeded with SGLang's --enable-metrics, whose /metrics shows them)."),
+        click.option("--update-index-dir", default=None,
+                     help="Folder of indexes of checkpoints the server may load with update_weights_from_disk: "
+                          "the guard re-verifies against the one built from the new model path."),
         click.option("--queue-size", type=click.IntRange(min=1), default=None, help="Capture batches queued for the writer (default 1024)."),
         click.option("--max-hook-errors", type=click.IntRange(min=1), default=None,
                      help="Disable tracing after N errors (default 10)."),
@@ -213,6 +272,9 @@ def hook_spec_cmd(pretty, **kw):
       python -m sglang.launch_server --model-path M --tp 2 \\
         --disable-prefill-cuda-graph --disable-decode-cuda-graph \\
         --forward-hooks "$(moetrace hook-spec --out /data/traces --layers 0-3)"
+      # in production: the guard, metrics on SGLang's /metrics
+      python -m sglang.launch_server --model-path M --tp 2 --enable-metrics \\
+        --forward-hooks "$(moetrace hook-spec --out /data/traces --index idx.parquet --guard alert)"
     """
     import json
 
@@ -221,6 +283,15 @@ def hook_spec_cmd(pretty, **kw):
     config, targets = _capture_config(kw)
     spec = hook_spec(config, targets or DEFAULT_TARGETS)
     click.echo(json.dumps(spec, indent=2 if pretty else None))
+
+
+def _stop_options(f):
+    """Options of every command that launches a server: run-id reuse and how it is stopped."""
+    f = click.option("--stop-grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
+                     help="Seconds the server's process group gets after the stop signal before it is killed "
+                          "(a second Ctrl-C kills at once).")(f)
+    return click.option("--replace", is_flag=True,
+                        help="Delete an existing OUT/<run_id> first; without it a used run id is refused.")(f)
 
 
 @main.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -232,8 +303,9 @@ def hook_spec_cmd(pretty, **kw):
               help="Do not add the flags that disable CUDA graphs (hooks then miss graph-replayed steps).")
 @click.option("--close-timeout", type=click.FloatRange(min=0), default=20.0, show_default=True,
               help="Seconds to wait for the ranks to close their traces before stopping the server.")
+@_stop_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
-def launch_cmd(server_flags, keep_cuda_graph, close_timeout, server_cmd, **kw):
+def launch_cmd(server_flags, keep_cuda_graph, close_timeout, replace, stop_grace, server_cmd, **kw):
     """Run an SGLang server with capture on; finalize the trace when it exits.
 
     Appends the moetrace --forward-hooks entry and the flags that turn CUDA graphs
@@ -253,7 +325,8 @@ def launch_cmd(server_flags, keep_cuda_graph, close_timeout, server_cmd, **kw):
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     launcher = Launcher(cmd, config, server_flags=server_flags, disable_cuda_graph=not keep_cuda_graph,
-                        close_timeout_s=close_timeout, echo=lambda m: click.echo(m, err=True), targets=targets or DEFAULT_TARGETS)
+                        close_timeout_s=close_timeout, stop_grace_s=stop_grace, replace=replace, echo=_stderr,
+                        targets=targets or DEFAULT_TARGETS)
     sys.exit(launcher.run())
 
 
@@ -294,15 +367,17 @@ def analyze_cmd(**kw):
     or a pyarrow filesystem URL. Verdicts: match, stale (E+k), wrong_rank,
     wrong_layer, wrong_tensor, zeros, constant, torn, unknown, unexpected, and
     per load missing. Exit 0 when the analysis ran (findings are printed),
-    2 on unusable input. docs/analysis.md explains every verdict.
+    2 on unusable input, 3 when a report file could not be written.
+    docs/analysis.md explains every verdict and exit code.
 
     \b
     Example:
       moetrace analyze /data/traces/unfenced --index index.parquet --plot grid.png
     """
-    from moetrace.jobs.audit import run_analysis
+    from moetrace.jobs.audit import EXIT_PASS, exit_code, run_analysis
 
-    run_analysis("analyze", _analysis_opts(kw), click.echo)
+    _, written = run_analysis("analyze", _analysis_opts(kw), click.echo, warn=_stderr)
+    sys.exit(exit_code(EXIT_PASS, written))
 
 
 def _analysis_opts(kw: dict):
@@ -341,7 +416,7 @@ def _launch_options(f):
     ]
     for opt in reversed(opts):
         f = opt(f)
-    return f
+    return _stop_options(f)
 
 
 @main.command("audit")
@@ -361,7 +436,9 @@ def audit_cmd(**kw):
       2  incomplete or unusable: nothing captured, rows dropped, hook/sink
          errors, a rank missing, a manifest not finished, an unreadable part,
          an expected entry not captured, a checkpoint/TP/EP mismatch, or (with
-         --launch) a server that never became healthy or failed requests
+         --launch) a server that never became healthy or failed requests; also
+         any error, expected or not (one line on stderr)
+      3  the verdict was a pass but a report file could not be written
 
     \b
     Examples:
@@ -379,9 +456,10 @@ def audit_cmd(**kw):
                           ready_timeout_s=kw["ready_timeout"])
         hook_config = _json_object(kw["hook_config"], "--hook-config") if kw["hook_config"] else {}
         launch = LaunchOptions(command=kw["launch_cmd"], out=kw["out"], run_id=kw["run_id"], traffic=traffic,
-                               base_url=kw["base_url"], hook_config=hook_config, server_flags=kw["server_flags"])
-    progress = (lambda m: None) if opts.as_json else (lambda m: click.echo(m, err=True))
-    sys.exit(run_audit(opts, launch, click.echo, progress))
+                               base_url=kw["base_url"], hook_config=hook_config, server_flags=kw["server_flags"],
+                               replace=kw["replace"], stop_grace_s=kw["stop_grace"])
+    progress = (lambda m: None) if opts.as_json else _stderr
+    sys.exit(run_audit(opts, launch, click.echo, progress, warn=_stderr))
 
 
 @main.command("diff")
@@ -414,8 +492,11 @@ def diff_cmd(run_a, run_b, index_path, checkpoint, as_json, max_lines):
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Run the emulated server's copies on this device.")
 @click.option("--quick", is_flag=True, help="Smaller checkpoint (8 experts, H 256).")
+@click.option("--transport", type=click.Choice(["auto", "fork", "emulator"]), default="auto", show_default=True,
+              help="Who stages the layers: the installed sglang-kt's own code (fork; auto where installed) "
+                   "or the emulator's.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary instead of text.")
-def demo_cmd(workdir, device, quick, as_json):
+def demo_cmd(workdir, device, quick, transport, as_json):
     """Find the FP8 staging race and validate its fix, end to end, in a minute.
 
     Generates a small Qwen3.5-style FP8 checkpoint, builds the index, runs the
@@ -435,7 +516,7 @@ def demo_cmd(workdir, device, quick, as_json):
         if not torch.cuda.is_available():
             raise MoetraceError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
     echo = (lambda s: None) if as_json else (lambda s: click.echo(s))
-    summary = demo.run_demo(workdir, device=device, quick=quick, echo=echo)
+    summary = demo.run_demo(workdir, device=device, quick=quick, echo=echo, transport=transport)
     if as_json:
         click.echo(demo.to_json(summary))
     else:
@@ -538,6 +619,44 @@ def selftest_cmd(device, quick, only, workdir, as_json):
             click.echo(f"[{mark}] {p.name:12s} {p.detail} ({p.seconds:.1f} s)")
         click.echo(st.verdict_line(code, proofs, device))
     sys.exit(code)
+
+# ---- the fork's own code: conform ----------------------------------------------
+@main.command("conform")
+@click.option("--fork-path", default=None, type=click.Path(path_type=str),
+              help="sglang-kt to run: a pip --target folder, a site-packages or a source checkout "
+                   "(default: the installed sglang-kt, or the one in the venv's kt-side folder).")
+@click.option("--format", "fmt", type=click.Choice(["fp8_block", "fp8_channel", "bf16"]), default="fp8_block",
+              show_default=True, help="Expert format; picks the fork's _prepare_weight_* path.")
+@click.option("--tp", type=click.IntRange(2, 8), default=2, show_default=True, help="TP ranks (processes).")
+@click.option("--experts", type=click.IntRange(3, 256), default=8, show_default=True, help="Experts in the layer.")
+@click.option("--schedule", type=click.Choice(["slow-peer", "none"]), default="slow-peer", show_default=True,
+              help="slow-peer: ranks > 0 read each host slot as late as the code allows (same result every run); "
+                   "none: no delay (timing decides; a pass proves nothing).")
+@click.option("--patch-fence", is_flag=True, help="Patch the seed PR's reader fence into the loaded class first.")
+@click.option("--writer", type=click.Choice(["kt-kernel", "moetrace"]), default="kt-kernel", show_default=True,
+              help="Rank 0's host-slot writer (kt-kernel: moetrace's when kt-kernel cannot run here, said so).")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=str), default=None,
+              help="Keep the checkpoint, index, traces and rank logs here (default: a temp folder, removed).")
+@click.option("--json-out", default=None, metavar="FILE", help="Write the JSON result (docs/conform.md) here.")
+def conform_cmd(fork_path, fmt, tp, experts, schedule, patch_fence, writer, workdir, json_out):
+    """Run the installed fork's own staging code on CPU and audit what each rank holds.
+
+    The real SharedFullContext.load of sglang-kt (read from its installed file)
+    runs in TP gloo processes under a simulated CUDA runtime, rank 0's writer is
+    kt-kernel's, moetrace's KT hook captures, the analysis judges. Exit 1: a rank
+    holds wrong bytes; 0: every rank holds its shard; 2: it could not run.
+
+    \b
+    Examples:
+      moetrace conform                       # the fork as shipped: exit 1, rank 1 holds E+2
+      moetrace conform --patch-fence         # the seed PR's fence on the same schedule: exit 0
+      moetrace conform --fork-path ./my-fork/python --format bf16 --json-out bf16.json
+    """
+    from moetrace.jobs.conform import Case, conform_main
+
+    case = Case(fmt, schedule, patch_fence, writer, experts, fork_path)
+    sys.exit(conform_main(case, tp, workdir, json_out, echo=click.echo))
+
 
 if __name__ == "__main__":
     main()

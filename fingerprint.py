@@ -250,6 +250,85 @@ def chunk_digests(lanes: np.ndarray, nbytes: int) -> np.ndarray:
     return words.astype("<u8").view(np.uint8).reshape(r, n, 16)
 
 
+# ---------------------------------------------------------------- the fold on the device (the guard)
+#
+# A chunk's two 64-bit words are sums over its 68 fold inputs (64 lane bytes, 4 length
+# bytes) of input * key mod 2^64. Split every key into 32-bit halves and each half-sum
+# stays below 68 * 255 * 2^32 < 2^48: exact in float64 (one small GEMM) and in int64;
+# a word's 32-bit halves follow with one carry. The lane bytes' part is computed on
+# the device; the length bytes' part is a constant per chunk length, added there for
+# the digests or taken off the expected words on the host for the guard's compare.
+
+_FOLD_DEVICE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_MASK32 = 0xFFFFFFFF
+_U64_MASK32 = np.uint64(_MASK32)
+
+
+def _key_halves() -> np.ndarray:
+    """int64 [68, 2, 2]: [input, half (low, high), word] of FOLD_KEYS."""
+    k = FOLD_KEYS.astype(np.uint64)
+    return np.stack([k & _U64_MASK32, k >> np.uint64(32)], axis=1).astype(np.int64)
+
+
+def _length_words(nbytes: int, n: int) -> np.ndarray:
+    """uint64 [n, 2]: the length bytes' part of each chunk's two words (mod 2^64)."""
+    lengths = np.full(n, CHUNK_BYTES, dtype="<u4")
+    if n and nbytes % CHUNK_BYTES:
+        lengths[-1] = nbytes % CHUNK_BYTES
+    with np.errstate(over="ignore"):
+        return np.dot(lengths.view(np.uint8).reshape(n, 4).astype(np.uint64), FOLD_KEYS[4 * LANES :])
+
+
+def _fold_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Once per device: the lane keys' halves (float64 [64, 4] = [input, (half, word)]) and
+    the byte shifts; nothing is copied to the device per call."""
+    found = _FOLD_DEVICE.get(device)
+    if found is None:
+        keys = _key_halves()[: 4 * LANES].reshape(4 * LANES, 4).astype(np.float64)
+        found = _FOLD_DEVICE[device] = (torch.from_numpy(keys).to(device),
+                                        torch.tensor([0, 8, 16, 24], dtype=torch.int64).to(device))
+    return found
+
+
+def device_lane_words(lanes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lane bytes' part of every chunk's two words, where the lanes are (no host
+    copy, no sync): int32 lanes [R, n, LANES] -> (low, high) 32-bit halves, int64
+    [R, n, 2] each. Lanes are read in the device's byte order: little-endian on every
+    CUDA and x86 device, as the host fold writes them."""
+    r, n, width = lanes.shape
+    if width != LANES:
+        raise ValueError(f"lanes [{r}, {n}, {width}]: expected {LANES} lanes per chunk")
+    keys, _ = _fold_constants(lanes.device)
+    lane_bytes = lanes.contiguous().view(torch.uint8).view(r * n, 4 * LANES)
+    sums = (lane_bytes.to(torch.float64) @ keys).to(torch.int64).view(r, n, 2, 2)
+    low, high = sums[:, :, 0], sums[:, :, 1]
+    return low & _MASK32, ((low >> 32) + high) & _MASK32
+
+
+def expected_lane_words(chunks: np.ndarray, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """What device_lane_words must give for rows whose chunk digests are `chunks`
+    (uint8 [R, n, 16]): each word less its length part, mod 2^64, as (low, high) halves."""
+    r, n, _ = chunks.shape
+    with np.errstate(over="ignore"):
+        words = np.ascontiguousarray(chunks).view("<u8").reshape(r, n, 2) - _length_words(nbytes, n)
+    return (words & _U64_MASK32).astype(np.int64), (words >> np.uint64(32)).astype(np.int64)
+
+
+def device_chunk_digests(lanes: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """chunk_digests() computed where the lanes are: uint8 [R, n, 16] on their device."""
+    r, n, width = lanes.shape
+    if width != LANES or n != n_chunks_for(nbytes):
+        raise ValueError(f"lanes [{r}, {n}, {width}] do not fit {nbytes}-byte rows")
+    _, shifts = _fold_constants(lanes.device)
+    low, high = device_lane_words(lanes)
+    length = torch.from_numpy(_length_words(nbytes, n).view(np.int64)).to(lanes.device)
+    add_low, add_high = length & _MASK32, (length >> 32) & _MASK32  # halves of the unsigned words
+    low = low + add_low
+    high = (high + add_high + (low >> 32)) & _MASK32
+    halves = torch.stack([low & _MASK32, high], dim=-1).view(r, n, 4)  # word 0 (low, high), word 1: LE order
+    return ((halves.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8).view(r, n, 16)
+
+
 def _lanes_to_numpy(lanes: np.ndarray | torch.Tensor) -> np.ndarray:
     if isinstance(lanes, torch.Tensor):
         return lanes.cpu().numpy()

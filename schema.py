@@ -45,14 +45,17 @@ TRACE_SCHEMA_VERSION = 2
 MANIFEST_SCHEMA_VERSION = 2
 REPORT_SCHEMA, REPORT_SCHEMA_VERSION = "moetrace.analysis", 2
 DIFF_SCHEMA, DIFF_SCHEMA_VERSION = "moetrace.diff", 2
+CONFORM_SCHEMA, CONFORM_SCHEMA_VERSION = "moetrace.conform", 1
 
 # ---------------------------------------------------------------- tensors
 
 # The order the KT fork copies one expert's tensors in; also the tie-break order
-# of "first divergence". Keyed by expert format (checkpoints.spec.FORMATS).
+# of "first divergence". Keyed by expert format (checkpoints.spec.FORMATS); compressed-tensors
+# block FP8 holds its scales under the weight_scale names (checkpoints.shards.tensor_names).
 COPY_ORDERS: dict[str, tuple[str, ...]] = {
     "fp8_block": ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv"),
     "fp8_channel": ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"),
+    "fp8_tensor": ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"),
     "bf16": ("w13_weight", "w2_weight"),
 }
 # Every FusedMoE parameter a capture can hold, in a stable order.

@@ -15,7 +15,7 @@ import pandas as pd
 
 from moetrace.analysis.coverage import Analysis
 from moetrace.analysis.expected import read_expected
-from moetrace.analysis.report import check_layout, resolve_index
+from moetrace.analysis.report import check_index_layout, check_layout, resolve_index
 from moetrace.analysis.sentences import fmt_int, layer_text
 from moetrace.analysis.trace import TraceData, pair_to_hex, read_trace
 from moetrace.analysis.verdicts import MATCH, OUT_OF_SCOPE, STALE, VERDICTS, WRONG_RANK
@@ -68,10 +68,11 @@ def diff(run_a: Sequence[str] | str, run_b: Sequence[str] | str, index: str | No
     aa = ab = None
     index_path = None
     if index or checkpoint:
-        index_path = resolve_index(da, index, checkpoint)
+        index_path, trace_layout = resolve_index(da, index, checkpoint)
         for d in (da, db):
             idx = read_expected(index_path, d.tensors, d.dtypes, models=d.models)
             check_layout(d, idx)
+            check_index_layout(d, idx, trace_layout if d is da else None)
             an = Analysis(d, idx, index_path)
             if d is da:
                 aa = an

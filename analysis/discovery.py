@@ -24,7 +24,8 @@ from moetrace import storage
 from moetrace.errors import MoetraceError
 from moetrace.fingerprint import FP_VERSION
 from moetrace.schema import MANIFEST_SCHEMA_VERSION, parse_ids, parse_rank_label
-from moetrace.tracer.manifest import MANIFEST_NAME, RUN_MANIFEST_NAME, expected_labels, label_key, read_refusals
+from moetrace.tracer.manifest import (MANIFEST_NAME, RUN_MANIFEST_NAME, check_rank_manifest, check_run_manifest,
+                                      expected_labels, label_key, read_refusals)
 
 RANK_DIR = re.compile(r"^rank=([0-9a-z-]+)$")
 
@@ -50,7 +51,10 @@ class RankManifest:
     label: str  # schema.rank_label of the process
     path: str
     manifest: dict
-    parts: list[str]
+    parts: list[str]  # the part files its manifest lists and the folder holds: the only ones read
+    part_rows: dict[str, int] = field(default_factory=dict)  # part path -> rows its manifest lists
+    unlisted_parts: list[str] = field(default_factory=list)  # in the folder, not in the manifest: never read
+    absent_parts: list[str] = field(default_factory=list)  # in the manifest, not in the folder
 
     @property
     def tp_rank(self) -> int:
@@ -208,38 +212,84 @@ def _read_json(fs: pafs.FileSystem, path: str, what: str) -> dict:
     return doc
 
 
+def _rank_manifest(fs: pafs.FileSystem, rd: RankDir) -> RankManifest:
+    """A rank folder's manifest, read strictly (tracer.manifest_fields), with its parts
+    split into the listed ones found, the unlisted ones and the listed ones absent."""
+    if rd.manifest_path is None:
+        raise MoetraceError(
+            f"{rd.display} has no {MANIFEST_NAME}: the tracer never started there or the folder is incomplete"
+        )
+    m = check_rank_manifest(_read_json(fs, rd.manifest_path, "manifest"), rd.manifest_path)
+    ver = m["schema_version"]
+    if ver != MANIFEST_SCHEMA_VERSION:
+        raise MoetraceError(
+            f"manifest {rd.manifest_path} has schema_version {ver!r}; this moetrace reads version {MANIFEST_SCHEMA_VERSION}"
+        )
+    if m["fp_version"] != FP_VERSION:
+        raise MoetraceError(
+            f"manifest {rd.manifest_path} has fingerprint version {m['fp_version']!r}; this moetrace "
+            f"computes version {FP_VERSION}: capture the trace again with this moetrace"
+        )
+    if m["rank_label"] != rd.label:
+        raise MoetraceError(f"manifest {rd.manifest_path} says rank {m['rank_label']} but sits in rank={rd.label}")
+    listed = {f"{rd.path}/{p['file']}": p["rows"] for p in m["parts"]}
+    found = set(rd.parts)
+    return RankManifest(label=rd.label, path=rd.path, manifest=m, parts=[p for p in rd.parts if p in listed],
+                        part_rows=listed, unlisted_parts=sorted(found - set(listed)),
+                        absent_parts=sorted(set(listed) - found))
+
+
+def _run_file(fs: pafs.FileSystem, run_path: str) -> dict | None:
+    path = f"{run_path}/{RUN_MANIFEST_NAME}"
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        return None
+    doc = check_run_manifest(_read_json(fs, path, "run file"), path)
+    if doc["schema_version"] != MANIFEST_SCHEMA_VERSION:
+        raise MoetraceError(f"run file {path} has schema_version {doc['schema_version']!r}; "
+                            f"this moetrace reads version {MANIFEST_SCHEMA_VERSION}")
+    return doc
+
+
+def _one_launch(run_path: str, run_json: dict | None, ranks: dict[str, RankManifest]) -> None:
+    """Every side file of a run folder belongs to one launch: the same run id, and the
+    run_nonce of _run.json (or, without one, the same run_nonce on every rank). A reused
+    run id mixes launches; nothing of such a folder can be trusted."""
+    ids = {rk.manifest["run_id"] for rk in ranks.values()} | ({run_json["run_id"]} if run_json else set())
+    if len(ids) > 1:
+        raise MoetraceError(f"run folder {run_path} mixes run ids {sorted(ids)}")
+    nonces = {r: rk.manifest["run_nonce"] for r, rk in ranks.items()}
+    want = run_json["run_nonce"] if run_json else next(iter(nonces.values()), None)
+    foreign = sorted((r for r, n in nonces.items() if n != want), key=label_key)
+    if foreign:
+        whose = f"{RUN_MANIFEST_NAME}'s" if run_json else f"rank {min(set(nonces) - set(foreign), key=label_key)}'s"
+        raise MoetraceError(
+            f"run folder {run_path} mixes launches: rank {', '.join(map(str, foreign))} has another run_nonce than "
+            f"{whose} ({want}); a run id was reused: rerun with a new --run-id or with --replace")
+
+
+def _expected_ranks(manifests: dict[str, dict], tp_size: int, run_json: dict | None) -> list[str]:
+    """Rank labels the run declares: each TP rank 0..tp_size-1 of every stage and replica the
+    manifests name (tracer.manifest.expected_labels), plus every rank _run.json lists or counts."""
+    counts = {tp_size} | ({run_json[k] for k in ("expected_ranks", "tp_size") if run_json[k] is not None}
+                          if run_json is not None else set())
+    expected = {label for n in counts for label in expected_labels(manifests, n) or []}
+    if run_json is not None:
+        expected |= {e["rank_label"] for e in run_json["ranks"]}
+    return sorted(expected, key=label_key)
+
+
 def load_runs(rank_dirs: Sequence[RankDir]) -> list[RunInfo]:
-    """Manifests grouped by run folder; refuses missing manifests and inconsistent runs."""
+    """Manifests grouped by run folder, read strictly; refuses missing or malformed side
+    files, mixed launches and inconsistent runs."""
     by_run: dict[str, list[RankDir]] = {}
     for rd in rank_dirs:
         by_run.setdefault(rd.path.rsplit("/", 1)[0], []).append(rd)
     runs: list[RunInfo] = []
     for run_path, rds in by_run.items():
         fs = rds[0].fs
-        run_json = None
-        if fs.get_file_info(f"{run_path}/{RUN_MANIFEST_NAME}").type == pafs.FileType.File:
-            run_json = _read_json(fs, f"{run_path}/{RUN_MANIFEST_NAME}", "run file")
-        ranks: dict[str, RankManifest] = {}
-        for rd in rds:
-            if rd.manifest_path is None:
-                raise MoetraceError(
-                    f"{rd.display} has no {MANIFEST_NAME}: the tracer never started there or the folder is incomplete"
-                )
-            m = _read_json(fs, rd.manifest_path, "manifest")
-            ver = m.get("schema_version")
-            if ver != MANIFEST_SCHEMA_VERSION:
-                raise MoetraceError(
-                    f"manifest {rd.manifest_path} has schema_version {ver!r}; this moetrace reads version {MANIFEST_SCHEMA_VERSION}"
-                )
-            if m.get("fp_version") != FP_VERSION:
-                raise MoetraceError(
-                    f"manifest {rd.manifest_path} has fingerprint version {m.get('fp_version')!r}; this moetrace "
-                    f"computes version {FP_VERSION}: capture the trace again with this moetrace"
-                )
-            said = m.get("rank_label", str(m.get("tp_rank")))
-            if said != rd.label:
-                raise MoetraceError(f"manifest {rd.manifest_path} says rank {said} but sits in rank={rd.label}")
-            ranks[rd.label] = RankManifest(label=rd.label, path=rd.path, manifest=m, parts=rd.parts)
+        run_json = _run_file(fs, run_path)
+        ranks = {rd.label: _rank_manifest(fs, rd) for rd in rds}
+        _one_launch(run_path, run_json, ranks)
 
         def one(key: str, default=None):
             vals = {rk.manifest.get(key, default) for rk in ranks.values()}
@@ -250,36 +300,19 @@ def load_runs(rank_dirs: Sequence[RankDir]) -> list[RunInfo]:
                 raise MoetraceError(f"run {run_path} mixes {key} values {sorted(map(str, vals))} across its manifests")
             return next(iter(vals)) if vals else default
 
-        run_ids = {str(rk.manifest.get("run_id")) for rk in ranks.values() if rk.manifest.get("run_id") is not None}
-        if len(run_ids) > 1:
-            raise MoetraceError(f"run folder {run_path} mixes run ids {sorted(run_ids)}")
-        run_id = next(iter(run_ids)) if run_ids else run_path.rsplit("/", 1)[-1]
-        tp_size = one("tp_size")
-        if tp_size is None:
-            raise MoetraceError(f"manifests of {run_path} do not say tp_size")
-        tp_size = int(tp_size)
+        run_id = next(iter(rk.manifest["run_id"] for rk in ranks.values()))
+        tp_size = int(one("tp_size"))
         ep_size = int(one("ep_size", 1) or 1)
-        ckpt = one("checkpoint_id")
         moe_tp = one("moe_tp_size")
         manifests = {label: rk.manifest for label, rk in ranks.items()}
-        expected = expected_labels(manifests, tp_size)
-        if run_json is not None and isinstance(run_json.get("ranks"), list):
-            rl = []
-            for x in run_json["ranks"]:
-                if isinstance(x, dict):
-                    x = x.get("rank_label", x.get("tp_rank", x.get("rank")))
-                if x is not None:
-                    rl.append(str(x))
-            if rl:
-                expected = sorted(set(rl) | set(expected), key=label_key)
         runs.append(
-            RunInfo(run_id=run_id, path=run_path, checkpoint_id=ckpt, tp_size=tp_size, ep_size=ep_size,
-                    expected_ranks=expected, ranks=ranks, run_json=run_json, pp_size=int(one("pp_size", 1) or 1),
-                    moe_tp_size=None if moe_tp is None else int(moe_tp), refusals=read_refusals(fs, run_path))
+            RunInfo(run_id=run_id, path=run_path, checkpoint_id=one("checkpoint_id"), tp_size=tp_size, ep_size=ep_size,
+                    expected_ranks=_expected_ranks(manifests, tp_size, run_json), ranks=ranks, run_json=run_json,
+                    pp_size=int(one("pp_size", 1) or 1), moe_tp_size=None if moe_tp is None else int(moe_tp),
+                    refusals=read_refusals(fs, run_path))
         )
     ids = [r.run_id for r in runs]
     dup = {i for i in ids if ids.count(i) > 1}
     if dup:
         raise MoetraceError(f"run id(s) {sorted(dup)} appear in several folders; analyze them separately")
     return runs
-

@@ -11,14 +11,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from moetrace.analysis.trace import Vocab, digest_columns
 from moetrace.checkpoints.index import INDEX_META_KEY, read_index
+from moetrace.checkpoints.layout import ServerLayout
 from moetrace.errors import MoetraceError
 from moetrace.schema import MODELS
 
-INDEX_COLUMNS = ["model", "moe_tp_rank", "layer", "expert", "tensor", "copy_position", "dtype", "nbytes", "digest",
-                 "chunk_digests"]
+INDEX_COLUMNS = ["model", "moe_tp_rank", "layer", "expert", "tensor", "copy_position", "dtype", "shape", "nbytes",
+                 "digest", "chunk_digests"]
 
 
 @dataclass
@@ -46,6 +48,10 @@ class IndexData:
     num_experts: int = 0  # routed experts; ids from here on are fused shared experts
     shared_experts: int = 0
     draft: dict | None = None  # the index metadata's "draft": {"format", "layers"} or {"excluded": why}
+    layout: ServerLayout = ServerLayout()  # the server layout the rows reproduce (metadata "layout")
+    fmt: str | None = None  # checkpoint format (metadata "format")
+    intermediate_size: int | None = None  # moe_intermediate_size (metadata; older indexes: from w2_weight)
+    held: dict | None = None  # tensor -> (dtype, per-expert shape) of its first row
 
     @property
     def n(self) -> int:
@@ -89,11 +95,30 @@ def read_expected(path: str, tensors: Vocab, dtypes: Vocab, layers: set[int] | N
         moe_tp_size=int(meta.get("moe_tp_size") or 1), moe_dp_size=int(meta.get("moe_dp_size") or 1),
         num_experts=int(meta.get("num_experts") or 0), shared_experts=int(meta.get("shared_experts") or 0),
         draft=meta.get("draft"),
+        layout=ServerLayout.from_json(meta.get("layout")), fmt=meta.get("format"), held=_held(t),
     )
+    idx.intermediate_size = meta.get("intermediate_size") or _intermediate_of(idx)
     key = np.stack([idx.rank, idx.model, idx.layer, idx.expert, idx.tensor], axis=1)
     if len(key) > 1 and (np.diff(key, axis=0) == 0).all(axis=1).any():
         raise MoetraceError(f"index {path} has duplicate (model, moe_tp_rank, layer, expert, tensor) entries")
     return idx
+
+
+def _held(t: pa.Table) -> dict[str, tuple[str, list[int]]]:
+    """tensor -> (dtype, per-expert shape) of its first row (all rows of a tensor share them)."""
+    out = {}
+    for name in pc.unique(t.column("tensor")).to_pylist():
+        i = pc.index(t.column("tensor"), name).as_py()
+        out[name] = (t.column("dtype")[i].as_py(), list(t.column("shape")[i].as_py()))
+    return out
+
+
+def _intermediate_of(idx: IndexData) -> int | None:
+    """moe_intermediate_size of an index without that key: w2_weight is [H, I/moe_tp] (unpadded)."""
+    held = (idx.held or {}).get("w2_weight")
+    if held is None or idx.layout.intermediate_padded:
+        return None
+    return held[1][-1] * idx.moe_tp_size
 
 
 def _meta(t: pa.Table) -> dict:

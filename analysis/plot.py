@@ -10,6 +10,7 @@ from moetrace.analysis.report import Report
 from moetrace.analysis.verdicts import (
     CONSTANT, MATCH, MISSING, STALE, TORN, UNEXPECTED, UNKNOWN, WRONG_LAYER, WRONG_RANK, WRONG_TENSOR, ZEROS,
 )
+from moetrace import storage
 from moetrace.errors import MoetraceError
 
 COLORS = {
@@ -84,7 +85,8 @@ def plot(rep: Report, path: str, run: int | str = 0) -> str:
     try:
         fig = plt.figure(layout="constrained")
         _draw(fig, to_rgba, Patch, rep, g, ri)
-        fig.savefig(path, format=fmt, dpi=110)
+        # complete or not at all: a full disk never leaves half a picture
+        storage.write_local(path, "--plot", lambda tmp: fig.savefig(tmp, format=fmt, dpi=110), wrap=False)
     except MoetraceError:
         raise
     except Exception as err:  # matplotlib or the filesystem (e.g. an unwritable folder): one line, naming the path

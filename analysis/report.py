@@ -17,6 +17,7 @@ from moetrace import __version__
 from moetrace.analysis.coverage import Analysis
 from moetrace.analysis.expected import IndexData, read_expected
 from moetrace.analysis.grid import Grid, build_grid
+from moetrace.analysis.layouts import TraceLayout, check_params, layout_of_runs, recorded_facts
 from moetrace.analysis.sentences import fmt_int, row_doc, sentence
 from moetrace.analysis.summaries import load_summaries
 from moetrace.analysis.trace import TraceData, read_trace
@@ -25,7 +26,7 @@ from moetrace.checkpoints.index_build import cached_index
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.errors import MoetraceError
 from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES, format_ids, parse_rank_label
-from moetrace.tracer.manifest import label_key, rank_problems, refusal_problem, server_problem
+from moetrace.tracer.manifest import label_key, rank_problems, refusal_problem, run_file_problems
 
 MAX_ROWS_DEFAULT = 1000  # divergent rows listed in the JSON document
 MAX_MISSING_LISTED = 64  # missing (expert, tensor) entries listed per load
@@ -93,6 +94,11 @@ def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> li
                 "disabled": bool(rk.manifest.get("disabled")),
             })
             incomplete += [f"run {run.run_id} rank {r} {p}" for p in rank_problems(rk.manifest)]
+            for path in rk.unlisted_parts:
+                incomplete.append(f"run {run.run_id} rank {r}: {path} is not listed in its manifest "
+                                  "(a stale or foreign part; not read)")
+            for path in rk.absent_parts:
+                incomplete.append(f"run {run.run_id} rank {r}: {path} is listed in its manifest but missing")
             if rk.rows_written and read < rk.rows_written:
                 incomplete.append(f"run {run.run_id} rank {r}: read {fmt_int(read)} of {fmt_int(rk.rows_written)} "
                                   "rows the manifest says were written")
@@ -103,10 +109,7 @@ def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> li
         for r in run.missing_ranks:
             incomplete.append(f"run {run.run_id}: rank {r} missing (no rank={r} folder)")
         incomplete += [f"run {run.run_id}: {refusal_problem(x)}" for x in run.refusals]
-        rj = run.run_json or {}
-        server = server_problem(rj.get("server_exit_code"), bool(rj.get("stop_reason"))) if rj.get("finished") else None
-        if server:
-            incomplete.append(f"run {run.run_id}: {server} (_run.json)")
+        incomplete += [f"run {run.run_id}: {p}" for p in run_file_problems(run.run_json)]
         # target layers the index (and sampling) expect that no rank of the run captured
         target = d.models.code("target")
         expected_layers = set(np.unique(idx.layer[idx.model == target]).tolist())
@@ -317,22 +320,41 @@ def check_checkpoint(data: TraceData, checkpoint: str) -> None:
             raise MoetraceError(_checkpoint_mismatch(checkpoint, identity, run))
 
 
-def resolve_index(data: TraceData, index: str | None, checkpoint: str | None) -> str:
-    """The index to compare with: --index as given, or the cached index of --checkpoint
-    for the trace's TP/EP layout (built on first use)."""
+def resolve_index(data: TraceData, index: str | None, checkpoint: str | None) -> tuple[str, TraceLayout | None]:
+    """The index to compare with, and the trace's layout: --index as given, or the cached
+    index of --checkpoint for the trace's TP/EP sizes and recorded layout (built on first use)."""
     if index and checkpoint:
         raise MoetraceError("pass --index or --checkpoint, not both")
     if index:
-        return index
+        return index, None
     if not checkpoint:
         raise MoetraceError("pass --index FILE or --checkpoint CKPT so the trace can be compared with the expected shards")
-    layouts = {(r.tp_size, r.ep_size, r.moe_tp_size) for r in data.runs}
-    if len(layouts) != 1:
-        raise MoetraceError(f"runs use several TP/EP layouts {sorted(layouts, key=str)}; analyze them separately")
-    (tp, ep, moe_tp), = layouts
+    sizes = {(r.tp_size, r.ep_size, r.moe_tp_size) for r in data.runs}
+    if len(sizes) != 1:
+        raise MoetraceError(f"runs use several TP/EP layouts {sorted(sizes, key=str)}; analyze them separately")
+    (tp, ep, moe_tp), = sizes
     moe_dp = max(1, tp // ep // moe_tp) if moe_tp else 1  # --moe-dp-size, as the modules' moe_tp_size says
     check_checkpoint(data, checkpoint)
-    return str(cached_index(checkpoint, tp, ep, moe_dp_size=moe_dp)[0])
+    spec = open_checkpoint(checkpoint).spec
+    trace_layout = layout_of_runs(data.runs, spec.fmt, spec.intermediate_size)
+    return str(cached_index(checkpoint, tp, ep, layout=trace_layout.layout, moe_dp_size=moe_dp)[0]), trace_layout
+
+
+def check_index_layout(data: TraceData, idx: IndexData, trace_layout: TraceLayout | None) -> TraceLayout:
+    """The index must reproduce the layout the trace recorded, and hold what the server holds."""
+    if trace_layout is None:
+        if (idx.fmt is None or idx.intermediate_size is None) and recorded_facts(data.runs):
+            raise MoetraceError(f"index {idx.path} does not say its format and intermediate size, which the trace's "
+                                "layout facts need; rebuild it with `moetrace index`")
+        trace_layout = layout_of_runs(data.runs, idx.fmt, idx.intermediate_size or 0)
+        if trace_layout.layout != idx.layout:
+            raise MoetraceError(
+                f"index {idx.path} was built for {idx.layout.describe()}, but the trace records "
+                f"{trace_layout.layout.describe()}; pass --checkpoint CKPT so moetrace builds the matching index, or "
+                "rebuild it with `moetrace index CKPT --layout-from TRACE`"
+            )
+    check_params(trace_layout, idx.held or {})
+    return trace_layout
 
 
 def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | None = None,
@@ -344,7 +366,11 @@ def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | No
     if data.n == 0:
         why = f"; {len(data.skipped_parts)} unreadable part(s) skipped, first {data.skipped_parts[0][0]}" if data.skipped_parts else ""
         raise MoetraceError(f"trace {', '.join(paths)} holds no rows: nothing was captured{why}")
-    index_path = resolve_index(data, index, checkpoint)
+    index_path, trace_layout = resolve_index(data, index, checkpoint)
     idx = read_expected(index_path, data.tensors, data.dtypes, models=data.models)
     check_layout(data, idx, checkpoint=None if index else checkpoint)
-    return build_report(Analysis(data, idx, index_path), list(paths), max_rows=max_rows)
+    trace_layout = check_index_layout(data, idx, trace_layout)
+    report = build_report(Analysis(data, idx, index_path), list(paths), max_rows=max_rows)
+    report.doc["inputs"]["layout"] = idx.layout.to_json()
+    report.doc["warnings"] = list(report.doc.get("warnings") or []) + trace_layout.warnings
+    return report

@@ -220,6 +220,9 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
     rank_dirs = discover(paths)
     runs = load_runs(rank_dirs)
     parts, part_run, part_rank, labels = _parts_of(runs, {rd.path: rd.fs for rd in rank_dirs})
+    # rows each part's manifest says it holds (in _parts_of's order): a part holding others is not the one written
+    listed_rows = [run.ranks[label].part_rows[p] for run in runs for label in sorted(run.ranks, key=label_key)
+                   for p in run.ranks[label].parts]
     vocabs = (Vocab(), Vocab(TENSOR_NAMES), Vocab(), Vocab(MODELS))
     skipped: dict[int, str] = {}
     versions: dict[int, str] = {}
@@ -234,6 +237,9 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
         try:
             pf = _open_parquet(p, fs, _DICT_COLUMNS)
             _check_columns(pf, p)
+            if pf.metadata.num_rows != listed_rows[i]:  # not the part its manifest wrote: never read it
+                return None, (f"holds {pf.metadata.num_rows:,} rows but its manifest lists {listed_rows[i]:,} "
+                              "(a replaced or foreign file)")
             return pf, None
         except (_SchemaVersion, MoetraceError) as err:
             return None, err

@@ -53,6 +53,10 @@ run selftest "$py" -m moetrace.cli selftest --device "$device" $quick --json
 run bench_fingerprint "$py" "$here/bench/bench_fingerprint.py" --device "$device" --json $quick
 run bench_capture "$py" "$here/bench/bench_capture.py" --device "$device" $quick
 run bench_fence "$py" "$here/bench/bench_fence.py" --device "$device" $quick
+# The guard on one full Qwen3.5-122B layer-load (256 experts; 2 in a dry run): target <= 2% of the pinned H2D copy.
+guard_size=""
+[ "${DRY_RUN:-0}" = 1 ] && guard_size="--experts 2"
+run bench_guard "$py" "$here/bench/bench_guard.py" --device "$device" --no-emulated --json $guard_size
 
 "$py" - "$out" <<'PY'
 import json, sys, pathlib
@@ -76,6 +80,17 @@ try:
     print(f"| GPU target: fused Triton fingerprint >= 0.5x a device-to-device copy (fp_version {fp.get('fp_version')}) | {verdict} |")
 except Exception as err:
     print(f"| bench_fingerprint | no JSON ({err}) |")
+try:
+    g = json.loads((out / "bench_guard.out").read_text())
+    lay = g["layer"]
+    print(f"| guard per layer-load ({g['experts']} experts, {lay['bytes'] / 1e9:.2f} GB) | "
+          + ", ".join(f"{k} {v} ms" for k, v in lay["ms"].items()) + " |")
+    r = lay["ratios"].get("guard_vs_copy_h2d_pinned")
+    verdict = (f"no CUDA: {lay['ratios'].get('guard_vs_copy')}x a device copy" if r is None
+               else f"{r:.2%} of the pinned H2D copy: {'MET' if r <= 0.02 else 'NOT MET'}")
+    print(f"| GPU target: guard <= 2% of a 122B layer-load | {verdict} |")
+except Exception as err:
+    print(f"| bench_guard | no JSON ({err}) |")
 for name in ("bench_capture", "bench_fence"):
     tail = (out / f"{name}.out").read_text().strip().splitlines()[-3:] if (out / f"{name}.out").exists() else ["missing"]
     print(f"| {name} | {' / '.join(tail)} |")

@@ -102,7 +102,9 @@ def write_bench(out: str, rows: int, run_id: str = "bench", seed: int = 0, rows_
     os.makedirs(os.path.join(trace_dir, run_id), exist_ok=True)
     with open(os.path.join(trace_dir, run_id, RUN_MANIFEST_NAME), "w") as f:
         json.dump(new_run_manifest(run_id, trace_dir, tp_size=tp, expected_ranks=tp, checkpoint_id=ix["checkpoint_id"],
-                                   finished=True, complete=True, ranks=[{"rank_label": str(r)} for r in range(tp)]), f)
+                                   finished=True, complete=True,
+                                   ranks=[{"rank_label": str(r), "tp_rank": r, "pp_rank": 0, "replica": None, "present": True}
+                                          for r in range(tp)]), f)
     # transport order = expert position (the staged loop walks experts in order)
     for r in range(tp):
         base = np.flatnonzero(ix["R"] == r)  # index rows of this rank, sorted (layer, expert, tensor)
@@ -151,7 +153,7 @@ def write_bench(out: str, rows: int, run_id: str = "bench", seed: int = 0, rows_
         m = new_rank_manifest(run_id, r, tp, {"out": trace_dir, "run_id": run_id}, ix["checkpoint_id"], "config")
         m.update(ep_size=1, ep_rank=0, moe_tp_size=tp, moe_tp_rank=r, finished=True, close_reason="close",
                  rows_written=int(rank_rows), rows_captured=int(rank_rows),
-                 parts=[{"file": n, "rows": int(c)} for n, c in zip(names, counts)])
+                 parts=[{"file": n, "rows": int(c), "written_at": m["started_at"]} for n, c in zip(names, counts)])
         with open(os.path.join(rank_dir, MANIFEST_NAME), "w") as f:
             json.dump(m, f)
     return {"index": os.path.join(out, "index.parquet"), "trace": os.path.join(trace_dir, run_id), "rows": written,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -31,32 +30,12 @@ from moetrace.schema import INDEX_SCHEMA_VERSION
 INDEX_META_KEY = b"moetrace.index"
 
 
-
-
-def _temp_beside(path: Path) -> str:
-    """A temp file next to `path` with the mode a plain open() would give it:
-    mkstemp makes 0600, and a server running as another user must still be
-    able to read the index for online verification."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    mask = os.umask(0)
-    os.umask(mask)
-    os.fchmod(fd, 0o666 & ~mask)
-    os.close(fd)
-    return tmp
-
-
-def write_index(table: pa.Table, path: str | os.PathLike) -> Path:
-    """Atomic write: a temp file beside the target, renamed when complete."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_beside(path)
-    try:
-        pq.write_table(table, tmp, compression="zstd")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+def write_index(table: pa.Table, path: str | os.PathLike, option: str = "-o") -> Path:
+    """Atomic write (storage.write_local): a temp file beside the target, renamed when
+    complete; a FIFO, device or link at the path is refused, never replaced."""
+    storage.write_local(os.fspath(path), option, lambda tmp: pq.write_table(table, tmp, compression="zstd"),
+                        make_parents=True)
+    return Path(path)
 
 
 # Columns every reader needs; chunk_digests is optional (an index may be built without).
@@ -123,14 +102,6 @@ def _first_line(err: BaseException) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
-def copy_index(src: Path, dst: str | os.PathLike) -> Path:
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_beside(dst)
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return dst
+def copy_index(src: Path, dst: str | os.PathLike, option: str = "-o") -> Path:
+    storage.write_local(os.fspath(dst), option, lambda tmp: shutil.copyfile(src, tmp), make_parents=True)
+    return Path(dst)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,9 @@ import torch
 
 from moetrace import __version__
 from moetrace import fingerprint as fpdef
+from moetrace import storage
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
+from moetrace.checkpoints.layout import CANONICAL, ServerLayout
 from moetrace.checkpoints.reader import Checkpoint, open_checkpoint
 from moetrace.checkpoints.extra import draft_checkpoint
 from moetrace.checkpoints.shards import Parallel, expected_experts, validate_moe_tp
@@ -39,7 +42,7 @@ class IndexOptions:
     tp_size: int
     ep_size: int = 1
     layers: tuple[int, ...] | None = None  # None: every MoE layer of the config
-    up_first: bool = False
+    layout: ServerLayout = CANONICAL  # the server layout the rows reproduce (checkpoints.layout)
     moe_dp_size: int = 1
     fp_version: int = fpdef.FP_VERSION
     chunk_bytes: int = fpdef.CHUNK_BYTES
@@ -104,7 +107,7 @@ def build_index(
     tp_size: int,
     ep_size: int = 1,
     layers: Iterable[int] | None = None,
-    up_first: bool = False,
+    layout: ServerLayout = CANONICAL,
     device: str = "cpu",
     progress: Callable[[int], None] | None = None,
     stats: IndexStats | None = None,
@@ -117,7 +120,7 @@ def build_index(
     stats = stats if stats is not None else IndexStats()
     ckpt = open_checkpoint(checkpoint)
     spec = ckpt.spec
-    par = Parallel(tp_size=tp_size, ep_size=ep_size, up_first=up_first, moe_dp_size=moe_dp_size)
+    par = Parallel(tp_size=tp_size, ep_size=ep_size, layout=layout, moe_dp_size=moe_dp_size)
     validate_moe_tp(spec, par)
     wanted = _resolve_layers(spec, layers, checkpoint)
     if device != "cpu" and not torch.cuda.is_available():
@@ -143,13 +146,14 @@ def build_index(
     table = pa.table({f.name: pa.array(cols[f.name], type=f.type) for f in INDEX_SCHEMA}, schema=INDEX_SCHEMA)
     table = table.sort_by([("model", "descending"), ("moe_tp_rank", "ascending"), ("layer", "ascending"),
                            ("expert", "ascending"), ("copy_position", "ascending")])
-    opts = IndexOptions(tp_size, ep_size, tuple(wanted), up_first, moe_dp_size)
+    opts = IndexOptions(tp_size, ep_size, tuple(wanted), layout, moe_dp_size)
     meta = {"checkpoint_id": ckpt.identity, "checkpoint_path": str(Path(checkpoint).resolve()), "moetrace": __version__,
-            "family": spec.family, "format": spec.fmt, "num_experts": spec.num_experts,
+            "family": spec.family, "format": spec.fmt, "quant_method": spec.quant_method,
+            "intermediate_size": spec.intermediate_size, "num_experts": spec.num_experts,
             "shared_experts": spec.shared_experts, "moe_tp_size": par.moe_tp_size,
             "draft": ({"format": draft.spec.fmt, "layers": list(draft.spec.moe_layers)} if draft
                       else {"excluded": draft_why}),
-            **asdict(opts)}
+            **asdict(opts), "layout": layout.to_json(), "up_first": layout.up_first}
     stats.rows = n
     return table.replace_schema_metadata({INDEX_META_KEY: json.dumps(meta).encode()})
 
@@ -173,6 +177,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOETRACE_CACHE", Path.home() / ".cache" / "moetrace")) / "index"
 
 
+def _writable_cache() -> Path:
+    """The cache folder, checked writable before any fingerprinting (one line naming it)."""
+    path = cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise MoetraceError(f"MOETRACE_CACHE {path}: cannot write the index cache there ({err.strerror or err}); "
+                            "set MOETRACE_CACHE to a writable folder or pass --no-cache") from None
+    return path
+
+
 def cache_key(checkpoint: str | os.PathLike, opts: IndexOptions, identity: str | None = None) -> str:
     """Checkpoint identity (names, dtypes, shapes, offsets) + each file's size and
     mtime (content edits) + every option that changes the rows."""
@@ -192,7 +210,7 @@ def cached_index(
     tp_size: int,
     ep_size: int = 1,
     layers: Iterable[int] | None = None,
-    up_first: bool = False,
+    layout: ServerLayout = CANONICAL,
     device: str = "cpu",
     progress: Callable[[int], None] | None = None,
     stats: IndexStats | None = None,
@@ -202,33 +220,36 @@ def cached_index(
     Returns (path, reused)."""
     ckpt = open_checkpoint(checkpoint)  # headers only; opened once for the key and the layers
     resolved = tuple(_resolve_layers(ckpt.spec, layers, checkpoint))
-    opts = IndexOptions(tp_size, ep_size, resolved, up_first, moe_dp_size)
+    opts = IndexOptions(tp_size, ep_size, resolved, layout, moe_dp_size)
     path = cache_dir() / f"{cache_key(checkpoint, opts, ckpt.identity)}.parquet"
+    if not path.exists():
+        _writable_cache()
     if path.exists():
         try:
             index_metadata(path)
             return path, True
         except MoetraceError:
             path.unlink(missing_ok=True)
-    table = build_index(checkpoint, tp_size, ep_size, resolved, up_first, device, progress, stats, moe_dp_size)
-    write_index(table, path)
+    table = build_index(checkpoint, tp_size, ep_size, resolved, layout, device, progress, stats, moe_dp_size)
+    write_index(table, path, "MOETRACE_CACHE")
     return path, False
 
 
 
 def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size: int, ep_size: int = 1,
-               layers: Iterable[int] | None = None, up_first: bool = False, device: str = "cpu",
+               layers: Iterable[int] | None = None, layout: ServerLayout = CANONICAL, device: str = "cpu",
                use_cache: bool = True, progress: Callable[[int], None] | None = None, moe_dp_size: int = 1) -> dict:
     """`moetrace index`: the index at `output` (from the cache unless use_cache is False);
     returns the summary the command prints."""
     t0 = time.perf_counter()
     stats = IndexStats()
+    storage.probe_output(os.fspath(output), "-o")  # before minutes of fingerprinting
     if use_cache:
-        cached, reused = cached_index(checkpoint, tp_size, ep_size, layers, up_first, device, progress, stats,
+        cached, reused = cached_index(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats,
                                       moe_dp_size)
         path = copy_index(cached, output)
     else:
-        path, reused = write_index(build_index(checkpoint, tp_size, ep_size, layers, up_first, device, progress, stats,
+        path, reused = write_index(build_index(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats,
                                                moe_dp_size), output), False
     meta = index_metadata(path)
     return {
@@ -240,6 +261,7 @@ def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size
         "moe_dp_size": moe_dp_size,
         "layers": meta["layers"],
         "draft": meta["draft"],
+        "layout": meta["layout"],
         "reused_cache": reused,
         "seconds": round(time.perf_counter() - t0, 3),
         "bytes_fingerprinted": stats.bytes_fingerprinted,

@@ -199,6 +199,12 @@ class Checkpoint:
         if s.fmt == "fp8_block":
             bn, bk = s.block
             return SCALE_DTYPES, [(-(-out // bn), -(-inp // bk))], f"weight [{out}, {inp}] in blocks {list(s.block)}"
+        if s.fmt == "fp8_tensor":
+            why = f"one scale for weight [{out}, {inp}]"
+            if s.quant_method == "fp8":  # the old moetrace fp8_channel checkpoints land here
+                why += ("; fp8 without weight_block_size is per-tensor in SGLang, per-channel FP8 checkpoints are "
+                        "compressed-tensors with strategy channel")
+            return SCALE_DTYPES, [(), (1,)], why
         return SCALE_DTYPES, [(out, 1), (out,)], f"one scale per output channel of weight [{out}, {inp}]"
 
     def check(self, name: str) -> TensorInfo:
@@ -210,7 +216,7 @@ class Checkpoint:
         if want is not None:
             dtypes, shapes, why = want
             if t.dtype not in dtypes or t.shape not in shapes:
-                if t.dtype in dtypes and name.endswith("_scale_inv"):
+                if t.dtype in dtypes and self.spec.fmt == "fp8_block" and "_scale" in name:
                     problem = f"scale shape {list(t.shape)} does not match weight_block_size {list(self.spec.block)}"
                 else:
                     problem = f"found {t.dtype} {list(t.shape)}"
@@ -328,16 +334,17 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         weight_map = data.get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise MoetraceError(f"{index}: 'weight_map' must be an object of tensor name -> file name")
+        files = sorted(set(weight_map.values()))
         source = index.name
     elif (root / SINGLE_NAME).exists():
+        files, source = [SINGLE_NAME], SINGLE_NAME
         weight_map = {k: SINGLE_NAME for k in read_header(root / SINGLE_NAME)}
-        source = SINGLE_NAME
     else:
         raise MoetraceError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
 
     drafts = {k: v for k, v in weight_map.items() if k.startswith(DRAFT_PREFIX + ".")}
     weight_map = {k: v for k, v in weight_map.items() if not is_ignored(k)}
-    headers: dict[str, dict[str, TensorInfo]] = {}
+    headers: dict[str, dict[str, TensorInfo]] = _unambiguous_headers(root, files, source)
     tensors: dict[str, TensorInfo] = {}
     draft_tensors: dict[str, TensorInfo] = {}
     for name, fname in weight_map.items():
@@ -367,6 +374,31 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     ckpt = Checkpoint(root, config, config_bytes, spec, tensors, draft_tensors)
     ckpt.draft_problem = draft_problem
     return ckpt
+
+
+def _unambiguous_headers(root: Path, files: list[str], source: str) -> dict[str, dict[str, TensorInfo]]:
+    """The headers of every file `source` lists, after checking that which files make the
+    checkpoint, and which file holds each tensor, is unambiguous: a .safetensors file that
+    nothing lists, or one tensor name in two files, is an error naming both files."""
+    listed = set(files)
+    for path in sorted(root.glob("*.safetensors")):
+        if path.name not in listed and not path.name.startswith("."):
+            what = (f"{source} does not list it" if source == INDEX_NAME
+                    else f"there is no {INDEX_NAME} to say whether it belongs with {SINGLE_NAME}")
+            raise MoetraceError(f"{path}: a safetensors file beside {root / files[0]}, and {what}; which files make "
+                                "the checkpoint is ambiguous (remove it, or list it in the index)")
+    headers, holder = {}, {}
+    for fname in files:
+        fpath = root / fname
+        if not fpath.is_file():
+            continue  # named with the tensor that maps to it below
+        headers[fname] = read_header(fpath)
+        for name in headers[fname]:
+            if name in holder:
+                raise MoetraceError(f"{name}: in both {root / holder[name]} and {fpath}; which one the server loads "
+                                    "is ambiguous (remove the stale copy)")
+            holder[name] = fname
+    return headers
 
 
 def _check_expert_coverage(spec: MoESpec, tensors: dict[str, TensorInfo], root: Path) -> None:

@@ -1,15 +1,19 @@
 """The expert tensors a TP/EP rank of SGLang's FusedMoE holds after loading,
 computed from the checkpoint alone.
 
-Facts this follows (docs/checkpoints.md, from SGLang's FusedMoE loader and parallel
-state): moe_tp_size = tp_size // ep_size // moe_dp_size; moe_tp_rank = tp_rank %
-moe_tp_size, ep_rank = (tp_rank // moe_tp_size) % ep_size; without EPLB a rank owns
-global experts [ep_rank*E/ep, (ep_rank+1)*E/ep), with EPLB any of them (so the index
-keeps every expert per moe_tp_rank: ``expected_experts``). With I_tp = I/moe_tp_size
-and r = moe_tp_rank: w13_weight[e] = gate rows [r*I_tp, (r+1)*I_tp) then up rows
-(up first when the loader flips the order); w2_weight[e] = down columns
-[r*I_tp, (r+1)*I_tp). Block scales follow in whole blocks; scales are held in
-fp32. Per-channel w2 scales are per output row of down, which TP does not split.
+Facts this follows (docs/checkpoints.md; checked byte for byte against SGLang's own
+loader in tests/test_loader_oracle.py): moe_tp_size = tp_size // ep_size //
+moe_dp_size; moe_tp_rank = r = tp_rank % moe_tp_size, ep_rank = (tp_rank //
+moe_tp_size) % ep_size; without EPLB a rank owns global experts [ep_rank*E/ep,
+(ep_rank+1)*E/ep), with EPLB any of them (so the index keeps every expert per
+moe_tp_rank: ``expected_experts``). With I_tp = I/moe_tp_size: w13_weight[e] =
+gate rows [r*I_tp, (r+1)*I_tp) then up rows (up first when the layout says so); w2 =
+down columns [r*I_tp, (r+1)*I_tp). Block scales follow in whole blocks: w13 scale rows
+by block_n, w2 scale columns by block_k. Per-channel w2 scales are per output row of
+down, which TP does not split; per-tensor scales are [gate, up] and one down scale.
+Scales are held in fp32. When the runner pads I_tp to P (flashinfer-trtllm), rank r
+loads rows [r*P, min((r+1)*P, I)) into each half and zeros the rest (SGLang's
+narrow_padded_param_and_loaded_weight): the pad re-partitions I, it is not per rank.
 """
 
 from __future__ import annotations
@@ -18,32 +22,46 @@ from dataclasses import dataclass
 
 import torch
 
+from moetrace.checkpoints.layout import CANONICAL, ServerLayout
+from moetrace.checkpoints.quant_config import held_scale_names
 from moetrace.checkpoints.reader import Checkpoint, host_copy
 from moetrace.checkpoints.spec import MoESpec, expert_tensor_name, fused_tensor_name
+from moetrace.checkpoints.transforms import apply_transforms
 from moetrace.errors import MoetraceError
-from moetrace.schema import COPY_ORDERS
 
 
 @dataclass(frozen=True)
 class Parallel:
-    """How the server splits experts: --tp-size, --ep-size, and whether the MoE
-    runner loads up_proj before gate_proj into w13 (flashinfer-trtllm, or a quant
-    method with load_up_proj_weight_first)."""
+    """How the server splits experts (--tp-size, --ep-size, --moe-dp-size) and the
+    layout its MoE runner and quant method leave them in (checkpoints.layout)."""
 
     tp_size: int
     ep_size: int = 1
-    up_first: bool = False
+    layout: ServerLayout = CANONICAL
     moe_dp_size: int = 1  # --moe-dp-size: experts replicated over moe_dp groups
 
     @property
     def moe_tp_size(self) -> int:
         return self.tp_size // self.ep_size // self.moe_dp_size
 
+    @property
+    def up_first(self) -> bool:
+        return self.layout.up_first
+
+
+def _per_rank(spec: MoESpec, par: Parallel) -> int:
+    """I per rank as the layer holds it (padded when the layout says so)."""
+    return par.layout.intermediate_padded or spec.intermediate_size // par.moe_tp_size
+
+
+def _options(par: Parallel) -> str:
+    return f"(tp_size={par.tp_size}, ep_size={par.ep_size}" + (
+        f", moe_dp_size={par.moe_dp_size})" if par.moe_dp_size != 1 else ")")
+
 
 def validate_moe_tp(spec: MoESpec, par: Parallel) -> None:
     """Refuse a TP split of the experts SGLang refuses, with its reason, in one line."""
-    opts = f"(tp_size={par.tp_size}, ep_size={par.ep_size}" + (
-        f", moe_dp_size={par.moe_dp_size})" if par.moe_dp_size != 1 else ")")
+    opts = _options(par)
     if par.tp_size < 1 or par.ep_size < 1 or par.moe_dp_size < 1:
         raise MoetraceError(f"tp_size, ep_size and moe_dp_size must be >= 1 {opts}")
     if par.tp_size % (par.ep_size * par.moe_dp_size):
@@ -55,17 +73,20 @@ def validate_moe_tp(spec: MoESpec, par: Parallel) -> None:
             f"moe_intermediate_size {spec.intermediate_size} is not divisible by moe_tp_size {mts} "
             f"= tp_size/ep_size{'/moe_dp_size' if par.moe_dp_size != 1 else ''} {opts}"
         )
+    padded = par.layout.intermediate_padded
+    if padded is not None and padded < spec.intermediate_size // mts:
+        raise MoetraceError(f"padded I per rank {padded} is below moe_intermediate_size / moe_tp_size {opts}")
     if spec.fmt == "fp8_block":
-        i_tp, (bn, bk) = spec.intermediate_size // mts, spec.block
-        # SGLang's Fp8MoEMethod checks both: w13's output and w2's input per rank
-        # must hold whole quantization blocks.
+        i_tp, (bn, bk) = _per_rank(spec, par), spec.block
+        # SGLang's create_weights checks both (on the padded size): w13's output and
+        # w2's input per rank must hold whole quantization blocks.
         if i_tp % bn:
             raise MoetraceError(
                 f"The output_size of gate's and up's weight = {i_tp} (moe_intermediate_size "
                 f"{spec.intermediate_size} / moe_tp_size {mts}) is not divisible by weight quantization "
                 f"block_n = {bn} {opts}"
             )
-        if i_tp % bk:
+        if mts > 1 and i_tp % bk:
             raise MoetraceError(
                 f"The input_size of down's weight = {i_tp} (moe_intermediate_size {spec.intermediate_size} / "
                 f"moe_tp_size {mts}) is not divisible by weight quantization block_k = {bk} {opts}"
@@ -76,8 +97,7 @@ def validate_parallel(spec: MoESpec, par: Parallel) -> None:
     """validate_moe_tp, plus contiguous EP blocks of experts (no EPLB redundancy)."""
     validate_moe_tp(spec, par)
     if spec.num_experts % par.ep_size:
-        raise MoetraceError(f"num_experts {spec.num_experts} is not divisible by ep_size {par.ep_size} "
-                            f"(tp_size={par.tp_size}, ep_size={par.ep_size})")
+        raise MoetraceError(f"num_experts {spec.num_experts} is not divisible by ep_size {par.ep_size} {_options(par)}")
 
 
 def rank_coords(tp_rank: int, par: Parallel) -> tuple[int, int]:
@@ -97,29 +117,28 @@ def local_experts(spec: MoESpec, par: Parallel, ep_rank: int) -> range:
 
 def tensor_names(spec: MoESpec) -> tuple[str, ...]:
     """FusedMoE parameter names for the format, in transport copy order."""
-    return COPY_ORDERS[spec.fmt]
+    scales = held_scale_names(spec.fmt, spec.quant_method)
+    if scales is None:
+        return ("w13_weight", "w2_weight")
+    return ("w13_weight", scales[0], "w2_weight", scales[1])
 
 
 @dataclass(frozen=True)
 class _Cut:
     """Where one rank's shard sits in the full per-expert tensors."""
 
-    r0: int  # first intermediate row/col, r*I_tp
-    r1: int
-    s0: int  # the same range in scale blocks (block formats only)
-    s1: int
-    first: str  # "gate" or "up": which goes to w13 rows [0, I_tp)
+    r0: int  # first intermediate row/col read, r*P
+    r1: int  # end of the rows read (clipped to I)
+    size: int  # rows per half held (P; > r1 - r0 when padded)
+    first: str  # "gate" or "up": which goes to w13 rows [0, size)
     second: str
 
 
 def _cut(spec: MoESpec, par: Parallel, moe_tp_rank: int) -> _Cut:
-    i_tp = spec.intermediate_size // par.moe_tp_size
-    r0, r1 = moe_tp_rank * i_tp, (moe_tp_rank + 1) * i_tp
-    s0 = s1 = 0
-    if spec.fmt == "fp8_block":
-        s0, s1 = r0 // spec.block[0], r1 // spec.block[0]
+    size = _per_rank(spec, par)
+    r0 = moe_tp_rank * size
     first, second = ("up", "gate") if par.up_first else ("gate", "up")
-    return _Cut(r0, r1, s0, s1, first, second)
+    return _Cut(min(r0, spec.intermediate_size), min(r0 + size, spec.intermediate_size), size, first, second)
 
 
 def _shard_cut(ckpt: Checkpoint, layer: int, moe_tp_rank: int, par: Parallel) -> _Cut:
@@ -138,6 +157,24 @@ def _prepare(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel) -> tuple
     return _shard_cut(ckpt, layer, moe_tp_rank, par), local_experts(ckpt.spec, par, ep_rank)
 
 
+def _pad(t: torch.Tensor, size: int, dim: int) -> torch.Tensor:
+    """Zero-extend dim to `size` (the loader zeroes what it does not write)."""
+    short = size - t.shape[dim]
+    if short <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = short
+    return torch.cat([t, torch.zeros(shape, dtype=t.dtype)], dim=dim)
+
+
+def _blocks(a: int, size: int, block: int, total: int) -> tuple[tuple[int, int], int]:
+    """Scale blocks of the `size` rows from row a (clipped to the checkpoint's `total`
+    blocks), and how many blocks the layer holds."""
+    n = -(-size // block)
+    s0 = min(a // block, total)
+    return (s0, min(s0 + n, total)), n
+
+
 def _scale_rows(t: torch.Tensor) -> torch.Tensor:
     """Per-channel scale [out] or [out, 1] -> [out, 1] fp32."""
     return t.reshape(-1, 1).to(torch.float32)
@@ -147,34 +184,49 @@ def _expert_parts(ckpt: Checkpoint, layer: int, expert: int, c: _Cut,
                   into: dict[str, torch.Tensor] | None = None) -> dict[str, list[torch.Tensor]]:
     """One expert's tensors on the rank as the parts stacked along dim 0 (w13 =
     first half then second half), in stored dtypes; callers cat or copy them.
-    into: the expert's slots (one [rows, ...] tensor per param): parts are read
-    straight into their rows there (and returned as those views)."""
+    into: the expert's slots (one [rows, ...] tensor per param): unpadded parts are
+    read straight into their rows there (and returned as those views)."""
     spec = ckpt.spec
+    I = spec.intermediate_size
+    padded = c.size != c.r1 - c.r0  # rare (trtllm): read, zero-extend, let the caller copy
 
-    def read(param: str, half: int | None, proj: str, kind: str = "weight", **cut) -> torch.Tensor:
+    def read(param: str, half: int | None, proj: str, kind: str = "weight", size: int = 0, dim: int = 0,
+             **cut) -> torch.Tensor:
+        name = expert_tensor_name(spec, layer, expert, proj, kind)
+        if padded:
+            return _pad(ckpt.read(name, **cut), size, dim)
         dst = None
         if into is not None:
             slot = into[param]
             rows = slot.shape[0] // 2
             dst = slot if half is None else slot[half * rows : (half + 1) * rows]
-        return ckpt.read(expert_tensor_name(spec, layer, expert, proj, kind), into=dst, **cut)
+        return ckpt.read(name, into=dst, **cut)
 
+    halves = (c.first, c.second)
     out = {
-        "w13_weight": [read("w13_weight", 0, c.first, rows=(c.r0, c.r1)), read("w13_weight", 1, c.second, rows=(c.r0, c.r1))],
-        "w2_weight": [read("w2_weight", None, "down", cols=(c.r0, c.r1))],
+        "w13_weight": [read("w13_weight", h, p, size=c.size, rows=(c.r0, c.r1)) for h, p in enumerate(halves)],
+        "w2_weight": [read("w2_weight", None, "down", size=c.size, dim=1, cols=(c.r0, c.r1))],
     }
+    scales = held_scale_names(spec.fmt, spec.quant_method)
     if spec.fmt == "fp8_block":
-        # Scales are cut in whole blocks (validate_parallel made I_tp a block
-        # multiple) and held by SGLang as fp32; the cast from bf16/f16 is exact.
-        out["w13_weight_scale_inv"] = [read("w13_weight_scale_inv", h, p, "scale", rows=(c.s0, c.s1))
-                                       for h, p in enumerate((c.first, c.second))]
-        out["w2_weight_scale_inv"] = [read("w2_weight_scale_inv", None, "down", "scale", cols=(c.s0, c.s1))]
+        # Whole blocks: w13 scale rows by block_n, w2 scale columns by block_k; the cast
+        # from bf16/f16 to the fp32 SGLang holds is exact.
+        bn, bk = spec.block
+        rows, n_rows = _blocks(c.r0, c.size, bn, -(-I // bn))
+        cols, n_cols = _blocks(c.r0, c.size, bk, -(-I // bk))
+        out[scales[0]] = [read(scales[0], h, p, "scale", size=n_rows, rows=rows) for h, p in enumerate(halves)]
+        out[scales[1]] = [read(scales[1], None, "down", "scale", size=n_cols, dim=1, cols=cols)]
     elif spec.fmt == "fp8_channel":
         name = lambda p: expert_tensor_name(spec, layer, expert, p, "scale")  # noqa: E731
-        out["w13_weight_scale"] = [_scale_rows(ckpt.read(name(p), rows=(c.r0, c.r1))) for p in (c.first, c.second)]
+        out[scales[0]] = [_pad(_scale_rows(ckpt.read(name(p), rows=(c.r0, c.r1))), c.size, 0) for p in halves]
         # w2 is split along its input columns: every rank keeps all H output
         # channels, hence the full per-channel scale.
-        out["w2_weight_scale"] = [_scale_rows(ckpt.read(name("down")))]
+        out[scales[1]] = [_scale_rows(ckpt.read(name("down")))]
+    elif spec.fmt == "fp8_tensor":
+        # [gate, up] in the order the halves are loaded, and the one down scale
+        name = lambda p: expert_tensor_name(spec, layer, expert, p, "scale")  # noqa: E731
+        out[scales[0]] = [ckpt.read(name(p)).reshape(1).to(torch.float32) for p in halves]
+        out[scales[1]] = [ckpt.read(name("down")).reshape(()).to(torch.float32)]
     return {k: out[k] for k in tensor_names(spec)}
 
 
@@ -182,8 +234,16 @@ def _held_dtype(name: str, stored: torch.dtype) -> torch.dtype:
     return torch.float32 if "scale" in name else stored
 
 
+def _slot_shape(parts: list[torch.Tensor]) -> tuple[int, ...]:
+    """Per-expert shape of parts stacked along dim 0 (a 0-dim part is the whole tensor)."""
+    if parts[0].dim() == 0:
+        return ()
+    return (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+
+
 def _expert_unfused(ckpt: Checkpoint, layer: int, expert: int, c: _Cut) -> dict[str, torch.Tensor]:
-    return {k: torch.cat(v).to(_held_dtype(k, v[0].dtype)) for k, v in _expert_parts(ckpt, layer, expert, c).items()}
+    parts = _expert_parts(ckpt, layer, expert, c)
+    return {k: (torch.cat(v) if v[0].dim() else v[0]).to(_held_dtype(k, v[0].dtype)) for k, v in parts.items()}
 
 
 def _experts_fused(ckpt: Checkpoint, layer: int, experts: range, c: _Cut) -> dict[str, torch.Tensor]:
@@ -193,8 +253,10 @@ def _experts_fused(ckpt: Checkpoint, layer: int, experts: range, c: _Cut) -> dic
     gate_up, down = fused_tensor_name(spec, layer, "gate_up"), fused_tensor_name(spec, layer, "down")
     e = (experts.start, experts.stop)
     offset = {"gate": 0, "up": spec.intermediate_size}
-    halves = [ckpt.read(gate_up, rows=(e, (offset[p] + c.r0, offset[p] + c.r1))) for p in (c.first, c.second)]
-    return {"w13_weight": torch.cat(halves, dim=1), "w2_weight": ckpt.read(down, rows=(e,), cols=(c.r0, c.r1))}
+    halves = [_pad(ckpt.read(gate_up, rows=(e, (offset[p] + c.r0, offset[p] + c.r1))), c.size, 1)
+              for p in (c.first, c.second)]
+    return {"w13_weight": torch.cat(halves, dim=1),
+            "w2_weight": _pad(ckpt.read(down, rows=(e,), cols=(c.r0, c.r1)), c.size, 2)}
 
 
 def expected_expert(ckpt: Checkpoint, layer: int, expert: int, tp_rank: int, par: Parallel) -> dict[str, torch.Tensor]:
@@ -207,36 +269,37 @@ def expected_expert(ckpt: Checkpoint, layer: int, expert: int, tp_rank: int, par
             f"(num_experts={ckpt.spec.num_experts}, ep_size={par.ep_size})"
         )
     if ckpt.spec.fused_experts:
-        return {k: v[0] for k, v in _experts_fused(ckpt, layer, range(expert, expert + 1), c).items()}
-    return _expert_unfused(ckpt, layer, expert, c)
+        held = _experts_fused(ckpt, layer, range(expert, expert + 1), c)
+    else:
+        held = {k: v.unsqueeze(0) for k, v in _expert_unfused(ckpt, layer, expert, c).items()}
+    return {k: v[0] for k, v in apply_transforms(held, par.layout.transforms).items()}
 
 
 def _stack_unfused(ckpt: Checkpoint, layer: int, experts, c: _Cut,
                    buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for i, expert in enumerate(experts):
-        slots = {k: v[i] for k, v in out.items()} if out else None
-        parts = _expert_parts(ckpt, layer, expert, c, slots)
+        parts = _expert_parts(ckpt, layer, expert, c, {k: v[i] for k, v in out.items()} if out else None)
         if not out:  # allocate once the first expert tells the shapes
-            shapes = {k: ((len(experts), sum(p.shape[0] for p in v), *v[0].shape[1:]), _held_dtype(k, v[0].dtype))
-                      for k, v in parts.items()}
+            shapes = {k: ((len(experts), *_slot_shape(v)), _held_dtype(k, v[0].dtype)) for k, v in parts.items()}
             reuse = buffers is not None and set(buffers) == set(shapes) and all(
                 tuple(buffers[k].shape) == s and buffers[k].dtype == d for k, (s, d) in shapes.items())
             out = dict(buffers) if reuse else {k: torch.empty(s, dtype=d) for k, (s, d) in shapes.items()}
         for k, v in parts.items():
             row = 0  # each part lands in its slot: no concatenated temporary
             for p in v:
-                dst = out[k][i, row : row + p.shape[0]]
+                dst = out[k][i] if p.dim() == 0 else out[k][i, row : row + p.shape[0]]
                 if p.data_ptr() != dst.data_ptr():
                     host_copy(p, dst)
-                row += p.shape[0]
+                row += p.shape[0] if p.dim() else 0
     return out
 
 
 def expected_layer(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel, slots: range | None = None,
                    buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """All local experts' tensors on tp_rank, [E_local, ...] per FusedMoE param,
-    slot i holding global expert local_experts(...)[i] (contiguous EP blocks, no EPLB).
+    slot i holding global expert local_experts(...)[i] (contiguous EP blocks, no EPLB),
+    in the layout's order and padding and after its post-load transforms.
 
     slots: only these local slots (rows of the result, in order), e.g. a block
     of experts at a time. buffers: a previous result to fill again when shapes
@@ -246,15 +309,16 @@ def expected_layer(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel, sl
     if slots is not None:
         experts = experts[slots.start : slots.stop]
     if ckpt.spec.fused_experts:
-        return _experts_fused(ckpt, layer, experts, c)
-    return _stack_unfused(ckpt, layer, experts, c, buffers)
+        return apply_transforms(_experts_fused(ckpt, layer, experts, c), par.layout.transforms)
+    return apply_transforms(_stack_unfused(ckpt, layer, experts, c, buffers), par.layout.transforms)
 
 
 def expected_experts(ckpt: Checkpoint, layer: int, moe_tp_rank: int, par: Parallel,
                      experts: range | None = None, buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The shards of `experts` (default: every routed expert, then the fused shared
     expert(s) ids num_experts + j when the checkpoint has them) for a rank of this
-    moe_tp_rank, stacked [len(experts), ...] per FusedMoE param in the given order.
+    moe_tp_rank, stacked [len(experts), ...] per FusedMoE param in the given order,
+    in the layout's order and padding and after its post-load transforms.
     The shard of an expert does not depend on which EP rank or slot holds it.
     buffers: as expected_layer's."""
     spec = ckpt.spec
@@ -264,9 +328,9 @@ def expected_experts(ckpt: Checkpoint, layer: int, moe_tp_rank: int, par: Parall
     routed = range(experts.start, min(experts.stop, spec.num_experts))
     shared = range(max(experts.start, spec.num_experts), experts.stop)
     if not spec.fused_experts:
-        return _stack_unfused(ckpt, layer, experts, c, buffers)
+        return apply_transforms(_stack_unfused(ckpt, layer, experts, c, buffers), par.layout.transforms)
     out = _experts_fused(ckpt, layer, routed, c) if len(routed) else {}
     if len(shared):  # a fused 3-D checkpoint keeps its shared expert unfused
         extra = _stack_unfused(ckpt, layer, shared, c)
         out = {k: torch.cat([out[k], v]) if k in out else v for k, v in extra.items()}
-    return out
+    return apply_transforms(out, par.layout.transforms)

@@ -7,11 +7,14 @@ reads this one frozen record instead of re-parsing the config.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from moetrace.checkpoints.quant_config import quant_format, scale_suffix
 from moetrace.errors import MoetraceError
+from moetrace.schema import MAX_ID
 
 # architectures[0] -> (family, tensor-name prefix of the decoder layers)
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -21,7 +24,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("deepseek_v3", "model"),
 }
 FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3")
-FORMATS = ("fp8_block", "fp8_channel", "bf16")
+FORMATS = ("fp8_block", "fp8_channel", "fp8_tensor", "bf16")
 PROJS = ("gate", "up", "down")
 # Tensor-name prefixes that look like experts but are not routed decoder experts:
 # Qwen3.5's multi-token-prediction head and vision tower.
@@ -38,19 +41,19 @@ class MoESpec:
     num_experts: int  # routed experts per MoE layer (global)
     hidden_size: int
     intermediate_size: int  # moe_intermediate_size (per expert, before TP)
-    fmt: str  # "fp8_block" | "fp8_channel" | "bf16"
+    fmt: str  # one of FORMATS
     block: tuple[int, int] | None  # weight_block_size (block_n over out rows, block_k over in cols)
     fused_experts: bool = False  # 3-D mlp.experts.gate_up_proj / down_proj tensors
     scale_dtype: str | None = None  # torch dtype name of the stored scales ("bfloat16", ...)
+    quant_method: str | None = None  # "fp8" | "compressed-tensors" | None (bf16): see quant_config
     # Shared experts shaped like a routed one (checkpoints.extra): SGLang can fuse them
     # into the FusedMoE's last slot(s) as expert ids num_experts + j.
     shared_experts: int = 0
 
     @property
     def scale_suffix(self) -> str | None:
-        """Tensor-name suffix of the FP8 scale (block: an inverse scale, per the
-        DeepSeek/Qwen convention; per-channel: a plain scale)."""
-        return {"fp8_block": "weight_scale_inv", "fp8_channel": "weight_scale"}.get(self.fmt)
+        """Tensor-name suffix of the FP8 scale (fp8 block: weight_scale_inv; else weight_scale)."""
+        return scale_suffix(self.fmt, self.quant_method)
 
 
 SHARED_EXPERT_MODULES = {"deepseek_v3": "shared_experts", "qwen3_next": "shared_expert", "qwen3_5_moe": "shared_expert"}
@@ -114,30 +117,39 @@ def moe_layers_from_config(family: str, text: Mapping, where: str) -> tuple[int,
     return tuple(layer for layer in range(n) if layer not in set(mlp_only) and (layer + 1) % step == 0)
 
 
-def _format_from_config(cfg: Mapping, text: Mapping, where: str) -> tuple[str, tuple[int, int] | None]:
-    # Qwen3.5 keeps quantization_config at the top level; look there first, then
-    # under text_config.
-    q = cfg.get("quantization_config") or text.get("quantization_config")
-    if not q:
-        return "bf16", None
-    if not isinstance(q, Mapping):
-        raise MoetraceError(f"{where}: 'quantization_config' must be an object, found {q!r}")
-    method = q.get("quant_method")
-    if method != "fp8":
-        raise MoetraceError(
-            f"{where}: quantization_config.quant_method {method!r} is not supported (supported: fp8 block, "
-            "fp8 per-channel, unquantized bf16)"
-        )
-    block = q.get("weight_block_size")
-    if block is None:
-        return "fp8_channel", None
-    if (
-        not isinstance(block, list)
-        or len(block) != 2
-        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-    ):
-        raise MoetraceError(f"{where}: quantization_config.weight_block_size must be [n, k] positive ints, found {block!r}")
-    return "fp8_block", (block[0], block[1])
+_FORMAT_WORDS = {"fp8_block": "block scales", "fp8_channel": "per-channel scales", "fp8_tensor": "per-tensor scales"}
+
+
+def _check_sizes_held(prefix: str, sizes: dict[str, int], tensors: Mapping[str, str] | None, where: str) -> None:
+    """Sizes in config.json are checked before anything is sized by them: never above
+    schema.MAX_ID, and (given the tensor names) never above what the safetensors files
+    hold: a layer count past the last layer with tensors, an expert count past the last
+    per-expert tensor (one pass over the names, nothing allocated per config id)."""
+    for key, n in sizes.items():
+        if n >= MAX_ID:
+            raise MoetraceError(f"{where}: '{key}' {n:,} is not a model size moetrace accepts (at most {MAX_ID - 1:,})")
+    if tensors is None:
+        return
+    layer_re = re.compile(rf"^{re.escape(prefix)}\.layers\.(\d+)\.")
+    expert_re = re.compile(rf"^{re.escape(prefix)}\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+    layers, experts, fused = -1, -1, False
+    for name in tensors:
+        m = layer_re.match(name)
+        if m:
+            layers = max(layers, int(m.group(1)))
+            e = expert_re.match(name)
+            if e:
+                experts = max(experts, int(e.group(1)))
+            fused = fused or name.endswith(".mlp.experts.gate_up_proj")
+    held = {"num_hidden_layers": (layers + 1, "layers"), **{k: (experts + 1, "experts") for k in sizes if k != "num_hidden_layers"}}
+    for key, n in sizes.items():
+        have, what = held[key]
+        if what == "experts" and fused:
+            continue  # fused 3-D experts: the stacked dimension is checked against the config by shape
+        if n > have:
+            ids = f"{what} 0-{have - 1}" if have > 0 else f"no {what}"
+            raise MoetraceError(f"{where}: '{key}' is {n:,} but the safetensors files hold {ids} only: the config "
+                                "and the weights disagree")
 
 
 _DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn"}
@@ -169,10 +181,13 @@ def spec_from_config(config: Mapping, path: str | Path, tensors: Mapping[str, st
         where_text = f"{where} (text_config)"
     else:
         where_text = where
-    num_experts = _int(text, "n_routed_experts" if family == "deepseek_v3" else "num_experts", where_text)
+    experts_key = "n_routed_experts" if family == "deepseek_v3" else "num_experts"
+    num_experts = _int(text, experts_key, where_text)
     if num_experts < 1:
         raise MoetraceError(f"{where_text}: the number of routed experts must be >= 1, found {num_experts}")
-    fmt, block = _format_from_config(config, text, where)
+    _check_sizes_held(prefix, {"num_hidden_layers": _int(text, "num_hidden_layers", where_text),
+                               experts_key: num_experts}, tensors, where_text)
+    q = quant_format(config, text, where)
     spec = MoESpec(
         arch=arch,
         family=family,
@@ -182,8 +197,9 @@ def spec_from_config(config: Mapping, path: str | Path, tensors: Mapping[str, st
         num_experts=num_experts,
         hidden_size=_int(text, "hidden_size", where_text),
         intermediate_size=_int(text, "moe_intermediate_size", where_text),
-        fmt=fmt,
-        block=block,
+        fmt=q.fmt,
+        block=q.block,
+        quant_method=q.quant_method,
     )
     if not spec.moe_layers:
         raise MoetraceError(f"{where}: the config declares no MoE layers")
@@ -211,17 +227,12 @@ def _verify_against_tensors(spec: MoESpec, tensors: Mapping[str, str], where: st
     has_inv, has_scale = f"{stem}.0.gate_proj.weight_scale_inv" in tensors, f"{stem}.0.gate_proj.weight_scale" in tensors
     if is_fused and (spec.fmt != "bf16" or f"{fused}_scale_inv" in tensors or f"{fused}_scale" in tensors):
         raise MoetraceError(f"{where}: fused expert tensors ({fused}) are supported for BF16 only, config says {spec.fmt}")
-    if spec.fmt == "fp8_block" and not has_inv:
-        found = f"; it has per-channel {stem}.0.gate_proj.weight_scale" if has_scale else ""
+    if spec.scale_suffix is not None and f"{stem}.0.gate_proj.{spec.scale_suffix}" not in tensors:
+        other = "weight_scale" if spec.scale_suffix == "weight_scale_inv" else "weight_scale_inv"
+        found = f"; it has {stem}.0.gate_proj.{other}" if (has_scale or has_inv) else ""
         raise MoetraceError(
-            f"{where}: weight_block_size {list(spec.block)} says block FP8 but {stem}.0.gate_proj.weight_scale_inv "
-            f"is missing{found}"
-        )
-    if spec.fmt == "fp8_channel" and not has_scale:
-        found = f"; it has block scale {stem}.0.gate_proj.weight_scale_inv (set weight_block_size)" if has_inv else ""
-        raise MoetraceError(
-            f"{where}: fp8 without weight_block_size says per-channel FP8 but {stem}.0.gate_proj.weight_scale "
-            f"is missing{found}"
+            f"{where}: quantization_config ({spec.quant_method}, {_FORMAT_WORDS[spec.fmt]}) needs "
+            f"{stem}.0.gate_proj.{spec.scale_suffix} but it is missing{found}"
         )
     if spec.fmt == "bf16" and (has_inv or has_scale):
         raise MoetraceError(f"{where}: no quantization_config but the checkpoint has FP8 scales ({stem}.0.gate_proj.*)")

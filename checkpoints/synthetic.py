@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from moetrace.checkpoints.quant_config import QUANT_METHODS, scale_suffix
+from moetrace import storage
 from moetrace.checkpoints.spec import FAMILIES, FORMATS
 from moetrace.errors import MoetraceError
 
@@ -97,8 +99,35 @@ def _grid(n_rows: int, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.arange(n_rows).view(-1, 1), torch.arange(n_cols).view(1, -1)
 
 
+def _quant_config(fmt: str, quant_method: str, block: tuple[int, int], not_converted: list[str]) -> dict:
+    """quantization_config as the fp8 method or compressed-tensors writes it (checkpoints.quant_config)."""
+    if quant_method == "fp8":
+        quant = {"quant_method": "fp8", "fmt": "e4m3"}
+        if fmt == "fp8_block":
+            quant["weight_block_size"] = list(block)
+        return {**quant, "activation_scheme": "dynamic", "modules_to_not_convert": not_converted}
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+               "strategy": {"fp8_block": "block", "fp8_channel": "channel", "fp8_tensor": "tensor"}[fmt]}
+    inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+    if fmt == "fp8_block":
+        weights["block_structure"] = list(block)
+        inputs.update(strategy="group", group_size=block[1])
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs}},
+            "ignore": not_converted}
+
+
+def _scale_shape(fmt: str, quant_method: str, out_dim: int, in_dim: int, block: tuple[int, int]) -> tuple[int, ...]:
+    if fmt == "fp8_block":
+        return (-(-out_dim // block[0]), -(-in_dim // block[1]))
+    if fmt == "fp8_channel":
+        return (out_dim, 1)
+    return (1,) if quant_method == "compressed-tensors" else ()  # per tensor
+
+
 def _config(
-    family: str, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int, dense: int, block: int, seed: int
+    family: str, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int, dense: int,
+    quant: tuple[str, tuple[int, int]] | None, seed: int
 ) -> dict:
     text = {
         "hidden_size": hidden,
@@ -136,16 +165,9 @@ def _config(
         if family != "qwen3_moe":
             text["shared_expert_intermediate_size"] = inter
     prefix = "model.language_model" if family == "qwen3_5_moe" else "model"
-    quant = None
-    if fmt != "bf16":
-        quant = {"quant_method": "fp8", "fmt": "e4m3"}
-        if fmt == "fp8_block":
-            quant["weight_block_size"] = [block, block]
-        quant.update(
-            activation_scheme="dynamic",
-            modules_to_not_convert=["lm_head", f"{prefix}.embed_tokens"]
-            + [f"{prefix}.layers.{L}.mlp.gate" for L in range(dense, num_layers)],
-        )
+    if quant is not None:
+        not_converted = ["lm_head", f"{prefix}.embed_tokens"] + [f"{prefix}.layers.{L}.mlp.gate" for L in range(dense, num_layers)]
+        quant = _quant_config(fmt, quant[0], quant[1], not_converted)
     if family == "qwen3_5_moe":
         cfg = {
             "architectures": [arch],
@@ -163,6 +185,37 @@ def _config(
     return cfg
 
 
+def _check_arguments(family, fmt, quant_method, block, scale_dtype, fused, sizes, dense_layers,
+                     shared_expert=False, draft=False):
+    """The writer's options, checked (one-line errors naming the option); returns the
+    resolved (quant_method, (block_n, block_k))."""
+    num_layers = sizes[0]
+    quant_method = quant_method or (None if fmt == "bf16" else "compressed-tensors" if fmt == "fp8_channel" else "fp8")
+    block = (block, block) if isinstance(block, int) else tuple(block)
+    checks = [
+        (fmt == "bf16" or quant_method in QUANT_METHODS,
+         f"--quant-method must be one of {', '.join(QUANT_METHODS)}, got {quant_method!r}"),
+        (not (fmt == "fp8_channel" and quant_method == "fp8"),
+         "--format fp8_channel needs --quant-method compressed-tensors: fp8 without weight_block_size means "
+         "per-tensor scales (use --format fp8_tensor)"),
+        (fmt != "bf16" or quant_method is None, f"--quant-method {quant_method} needs an FP8 --format"),
+        (family in FAMILIES, f"--family must be one of {', '.join(FAMILIES)}, got {family!r}"),
+        (fmt in FORMATS, f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}"),
+        (scale_dtype in SCALE_DTYPES, f"--scale-dtype must be one of {', '.join(SCALE_DTYPES)}, got {scale_dtype!r}"),
+        (min(*sizes, *block) >= 1,
+         "--layers, --experts, --hidden, --intermediate, --files and block must be >= 1"),
+        (0 <= dense_layers < num_layers,
+         f"--dense-layers {dense_layers} must be in [0, --layers {num_layers}) so at least one layer is MoE"),
+        (not fused or fmt == "bf16", f"--fused writes the BF16 3-D layout; it needs --format bf16, got {fmt}"),
+        (not draft or family == "qwen3_5_moe", f"a draft model (mtp.*) is written for qwen3_5_moe only, got {family}"),
+        (not shared_expert or family != "qwen3_moe", "qwen3_moe has no shared expert"),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            raise MoetraceError(message)
+    return quant_method, block
+
+
 def write_synthetic_checkpoint(
     out_dir: str | Path,
     family: str = "qwen3_5_moe",
@@ -174,14 +227,18 @@ def write_synthetic_checkpoint(
     scale_dtype: str = "bfloat16",
     num_files: int = 2,
     dense_layers: int = 0,
-    block: int = 128,
+    block: int | tuple[int, int] = 128,
     seed: int = 0,
     fused: bool = False,
+    quant_method: str | None = None,
     shared_expert: bool = False,
     draft: bool = False,
 ) -> Path:
     """Write a checkpoint directory (config.json + safetensors) and return its path.
 
+    fmt: fp8_block, fp8_channel, fp8_tensor or bf16; quant_method: "fp8" or
+    "compressed-tensors" (default: compressed-tensors for fp8_channel, which is how
+    per-channel FP8 ships, else fp8); block: block_n = block_k, or (block_n, block_k).
     Layers [0, dense_layers) are dense (first_k_dense_replace for DeepSeek,
     mlp_only_layers for Qwen). fused=True writes the 3-D BF16 expert layout
     (mlp.experts.gate_up_proj / down_proj) instead of per-expert tensors; its
@@ -197,24 +254,13 @@ def write_synthetic_checkpoint(
     """
     from safetensors.torch import save_file  # writer-only dependency path
 
-    checks = [
-        (family in FAMILIES, f"--family must be one of {', '.join(FAMILIES)}, got {family!r}"),
-        (fmt in FORMATS, f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}"),
-        (scale_dtype in SCALE_DTYPES, f"--scale-dtype must be one of {', '.join(SCALE_DTYPES)}, got {scale_dtype!r}"),
-        (min(num_layers, num_experts, hidden, intermediate, num_files, block) >= 1,
-         "--layers, --experts, --hidden, --intermediate, --files and block must be >= 1"),
-        (0 <= dense_layers < num_layers,
-         f"--dense-layers {dense_layers} must be in [0, --layers {num_layers}) so at least one layer is MoE"),
-        (not fused or fmt == "bf16", f"--fused writes the BF16 3-D layout; it needs --format bf16, got {fmt}"),
-        (not draft or family == "qwen3_5_moe", f"a draft model (mtp.*) is written for qwen3_5_moe only, got {family}"),
-        (not shared_expert or family != "qwen3_moe", "qwen3_moe has no shared expert"),
-    ]  # fmt: skip
-    for ok, message in checks:
-        if not ok:
-            raise MoetraceError(message)
+    quant_method, block = _check_arguments(family, fmt, quant_method, block, scale_dtype, fused,
+                                           (num_layers, num_experts, hidden, intermediate, num_files), dense_layers,
+                                           shared_expert, draft)
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MoetraceError(f"{out}: output path exists and is not an empty directory")
+    storage.check_output(str(out), "-o", kind="dir")
+    if out.exists() and any(out.iterdir()):
+        raise MoetraceError(f"-o {out}: output path exists and is not an empty directory")
 
     prefix = "model.language_model" if family == "qwen3_5_moe" else "model"
     H, I, E = hidden, intermediate, num_experts
@@ -234,11 +280,10 @@ def write_synthetic_checkpoint(
         """`name` (…{proj}_proj) and its scale: expert e of value-layer L."""
         out_dim, in_dim = (H, I) if p == 2 else (I, H)
         tensors[f"{name}.weight"] = expert_weight(L, e, p)
-        if fmt == "fp8_block":
-            shape = (-(-out_dim // block), -(-in_dim // block))
-            tensors[f"{name}.weight_scale_inv"] = synthetic_values(L, e, p, *_grid(*shape), "scale", sdt, seed)
-        elif fmt == "fp8_channel":
-            tensors[f"{name}.weight_scale"] = synthetic_values(L, e, p, *_grid(out_dim, 1), "scale", sdt, seed)
+        if fmt != "bf16":
+            shape = _scale_shape(fmt, quant_method, out_dim, in_dim, block)
+            grid = _grid(*shape) if len(shape) == 2 else (torch.zeros(shape, dtype=torch.int64),) * 2
+            tensors[f"{name}.{scale_suffix(fmt, quant_method)}"] = synthetic_values(L, e, p, *grid, "scale", sdt, seed)
 
     tensors[f"{prefix}.embed_tokens.weight"] = filler(16, H)
     for L in range(num_layers):
@@ -281,20 +326,25 @@ def write_synthetic_checkpoint(
         for e in range(E):
             for p, proj in enumerate(PROJ_NAMES):
                 write_expert(f"mtp.layers.0.mlp.experts.{e}.{proj}_proj", DRAFT_VALUE_LAYER, e, p)
-        tensors["mtp.fc.weight"] = filler(H, 2 * H)
     elif family == "qwen3_5_moe":
         tensors["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = filler(8, H)
+    if family == "qwen3_5_moe":
         tensors["mtp.fc.weight"] = filler(H, 2 * H)
         tensors["model.visual.blocks.0.attn.qkv.weight"] = filler(24, 8)
         tensors["model.visual.blocks.0.mlp.experts.0.gate_proj.weight"] = filler(8, 8)
     tensors["lm_head.weight"] = filler(16, H)
 
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = _config(family, fmt, num_layers, E, H, I, dense_layers, block, seed)
+    cfg = _config(family, fmt, num_layers, E, H, I, dense_layers, None if fmt == "bf16" else (quant_method, block), seed)
+    with storage.new_local_dir(str(out), "-o") as tmp:  # whole or nothing: never a folder with only config.json
+        _write_files(Path(tmp), cfg, tensors, num_files, save_file)
+    return out
+
+
+def _write_files(out: Path, cfg: dict, tensors: dict[str, torch.Tensor], num_files: int, save_file) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if num_files == 1:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return out
+        return
     files = [f"model-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
     weight_map = {name: files[(i + i // 5) % num_files] for i, name in enumerate(tensors)}
     for fname in files:
@@ -305,4 +355,3 @@ def write_synthetic_checkpoint(
         "weight_map": dict(sorted(weight_map.items())),
     }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return out

@@ -63,7 +63,7 @@ class EmulatorConfig:
     slow_tensor: str = "w2_weight_scale_inv"
     chunk_tokens: int = 32  # prefill chunk size (SGLang --chunked-prefill-size)
     prefill_threshold: int = 8  # staged path when a pass has >= this many tokens (--kt-gpu-prefill-token-threshold)
-    num_gpu_experts: int = 0  # experts copied GPU-to-GPU from the resident layer (the fork's Phase 1)
+    num_gpu_experts: int = 0  # the GPU mask handed to load; FP8 block stages every expert anyway (as the fork)
     device: str = "cpu"
     seed: int = 0  # non-expert weights (embedding, attention, router, lm_head)
     forward_hooks: tuple = ()  # SGLang --forward-hooks entries (dicts)
@@ -77,6 +77,12 @@ class EmulatorConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
     model_name: str = "moetrace-emulator"
+    # "emulator": moetrace's SharedFullContext; "fork": the installed sglang-kt's own,
+    # under the simulated CUDA runtime (CPU only; fork_transport.py), rank 0 writing
+    # with kt-kernel's writer (writer="kt-kernel") when it runs here, else moetrace's.
+    transport: str = "emulator"
+    fork_path: str | None = None
+    writer: str = "kt-kernel"
 
     def replace(self, **kw) -> "EmulatorConfig":
         return replace(self, **kw)
@@ -103,6 +109,12 @@ class EmulatorConfig:
             raise MoetraceError(f"the emulator serves on loopback only (127.0.0.1 or localhost), got --host {self.host}")
         if not isinstance(self.forward_hooks, tuple):
             raise MoetraceError("forward_hooks must be a tuple of hook-spec dicts")
+        if self.transport not in ("emulator", "fork") or self.writer not in ("kt-kernel", "moetrace"):
+            raise MoetraceError(f"transport must be emulator or fork and writer kt-kernel or moetrace, got "
+                                f"{self.transport!r} and {self.writer!r} (resolve \"auto\" with resolve_transport)")
+        if self.transport == "fork" and (self.device != "cpu" or not self.source.checkpoint):
+            raise MoetraceError("transport fork needs --device cpu (its CUDA runtime is simulated) and a checkpoint "
+                                "(kt-kernel reads its experts from it)")
         if dims is None:
             return
         if dims.intermediate % self.tp:

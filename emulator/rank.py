@@ -51,6 +51,7 @@ class RankState:
     world: int
     device: torch.device
     runtime: object = None
+    fork: object = None  # ForkTransport when cfg.transport == "fork"
     source: object = None
     ctx: object = None
     wrappers: dict = field(default_factory=dict)
@@ -123,15 +124,30 @@ def build(job: RankJob, state: RankState, with_model: bool = True) -> None:
     own = {L: source.layer_shards(L, rank) for L in layers} if with_model or rank == 0 else {}
 
     gpu_layer = EmulatedFusedMoE(layers[0], dims.num_experts, dims.hidden, i_tp, dims.block, rank, world, device)
-    rt = state.runtime = open_runtime(
-        rank=rank, world=world, prefix=job.prefix, layout=slot_layout(gpu_layer), fence=cfg.fence, device=device,
-        slow_rank=cfg.slow_rank, slow_tensor=cfg.slow_tensor, timeout_s=cfg.op_timeout_s,
-        unlink_after_attach=cfg.unlink_after_attach,
-    )
-    ctx = state.ctx = SharedFullContext(gpu_layer, rt)
-    if rank == 0:  # kt-kernel's CPU experts: every rank's shard, on rank 0 only
-        cpu = {L: [own[L] if r == 0 else source.layer_shards(L, r) for r in range(world)] for L in layers}
-        state.wrappers = make_wrappers(rt, cpu, cfg.slow_rank, cfg.op_timeout_s)
+    mask = l2g = None
+    if cfg.num_gpu_experts:
+        mask = torch.zeros(dims.num_experts, dtype=torch.bool)
+        mask[: cfg.num_gpu_experts] = True
+        l2g = torch.arange(dims.num_experts)
+    all_reduce = dist.all_reduce
+    if cfg.transport == "fork":
+        if job.bench is not None:
+            raise ValueError("the staged-load benchmark times the emulator's own transport (transport emulator)")
+        from moetrace.emulator.fork_transport import build_fork_transport
+
+        ft = state.fork = build_fork_transport(cfg, job.prefix, rank, world, gpu_layer, source, layers, mask)
+        ctx = state.ctx = ft.ctx
+        state.wrappers, all_reduce = ft.wrappers, ft.all_reduce
+    else:
+        rt = state.runtime = open_runtime(
+            rank=rank, world=world, prefix=job.prefix, layout=slot_layout(gpu_layer), fence=cfg.fence, device=device,
+            slow_rank=cfg.slow_rank, slow_tensor=cfg.slow_tensor, timeout_s=cfg.op_timeout_s,
+            unlink_after_attach=cfg.unlink_after_attach,
+        )
+        ctx = state.ctx = SharedFullContext(gpu_layer, rt)
+        if rank == 0:  # kt-kernel's CPU experts: every rank's shard, on rank 0 only
+            cpu = {L: [own[L] if r == 0 else source.layer_shards(L, r) for r in range(world)] for L in layers}
+            state.wrappers = make_wrappers(rt, cpu, cfg.slow_rank, cfg.op_timeout_s)
     if not with_model:
         if cfg.forward_hooks:
             # No model to hook in bench mode, but the factories still run: that
@@ -140,12 +156,6 @@ def build(job: RankJob, state: RankState, with_model: bool = True) -> None:
 
             state.hooks = register_forward_hooks(torch.nn.Module(), cfg.forward_hooks)
         return
-
-    mask = l2g = None
-    if cfg.num_gpu_experts:
-        mask = torch.zeros(dims.num_experts, dtype=torch.bool)
-        mask[: cfg.num_gpu_experts] = True
-        l2g = torch.arange(dims.num_experts)
 
     def on_load(c, layer_idx):
         state.loads.append((c.load_count, int(layer_idx), state.request_idx, round(c.last_load_ms, 3)))
@@ -159,11 +169,11 @@ def build(job: RankJob, state: RankState, with_model: bool = True) -> None:
                                            on_load)
         return m
 
-    def all_reduce(t):
+    def tp_all_reduce(t):
         if world > 1:
-            dist.all_reduce(t)
+            all_reduce(t)  # fork transport: through the schedule, which must see every collective
 
-    state.model = build_model(dims, cfg.seed, make_experts, all_reduce, device)
+    state.model = build_model(dims, cfg.seed, make_experts, tp_all_reduce, device)
     from moetrace.emulator.engine import Engine
 
     state.engine = Engine(state.model, device, cfg.chunk_tokens, cfg.prefix_cache)
@@ -261,6 +271,8 @@ def run_bench(job: RankJob, state: RankState, status_q) -> None:
 
 
 def _cleanup(state: RankState) -> None:
+    if state.fork is not None:
+        state.fork.close()
     rt = state.runtime
     if rt is not None:
         try:

@@ -179,7 +179,8 @@ def make_wrappers(rt: StagingRuntime, layers: dict[int, list[dict[str, torch.Ten
     layout = rt.slots.layout
     index = SlotIndex(rt.slots.ptrs(), {n: layout.expert_nbytes(n) for n in layout.names})
     gate = WriteGate(rt.control, slow_rank, timeout_s) if rt.inject else None
-    return {L: KTWrapperStandIn(L, rt.writer, shards, index, rt.control, gate) for L, shards in layers.items()}
+    return {L: KTWrapperStandIn(L, rt.writer, shards, WEIGHT_NAMES_FP8, index, rt.control, gate)
+            for L, shards in layers.items()}
 
 
 class SharedFullContext:
@@ -207,7 +208,9 @@ class SharedFullContext:
         self.rt.device_synchronize(f"copies before loading layer {layer_idx}")
         self.load_count += 1
         t0 = time.perf_counter()
-        self._prepare_weight_fp8(layer_idx, wrapper, original_layer, gpu_experts_mask, logical_to_gpu_index)
+        # As the fork's load does for FP8 block (0.7.2): original_layer=None, so every
+        # expert is staged through the host slots, in id order, whatever the mask.
+        self._prepare_weight_fp8(layer_idx, wrapper, None, gpu_experts_mask, logical_to_gpu_index)
         self.rt.device_synchronize(f"layer {layer_idx} staging copies")
         self.last_load_ms = (time.perf_counter() - t0) * 1000.0
 

@@ -8,7 +8,8 @@ w13_scale_ptrs, w2_ptrs, w2_scale_ptrs)``, one pointer per rank), asynchronously
 (``NativeWriter``) does the ``memmove``s; ``KTWrapperStandIn`` is the per-layer
 wrapper object with the fork's method names. kt-kernel keeps whole experts and
 splits them per rank while writing; the stand-in keeps the per-rank shards
-ready-made (the bytes written are the same).
+ready-made (the bytes written are the same) and writes them in kt-kernel's
+order and granularity.
 """
 
 from __future__ import annotations
@@ -129,38 +130,65 @@ class WriteGate:
 
 
 class KTWrapperStandIn:
-    """Per-layer CPU-expert holder on rank 0 with the fork's write API."""
+    """Per-layer CPU-expert holder on rank 0 with kt-kernel's write API.
+
+    One write follows what kt-kernel 0.7.2 does (observed by sampling its target
+    buffers mid-write): weight rows in chunks, w13 then w2, every rank's chunk in
+    turn, then each rank's scales. A copy that overlaps a write therefore sees a
+    prefix of row chunks new and the scales old, as with the real writer.
+    ``names``: the tensors in copy order (SharedFullContext.weight_names); BF16
+    has no scales and gets zero scale pointers."""
+
+    CHUNK_ROWS = 64
 
     def __init__(self, layer_idx: int, writer: NativeWriter, shards: list[dict[str, torch.Tensor]],
-                 index: SlotIndex, control=None, gate: WriteGate | None = None):
+                 names=WEIGHT_NAMES_FP8, index: SlotIndex | None = None, control=None, gate: WriteGate | None = None):
         self.layer_idx = layer_idx
         self.writer = writer
         self.shards = shards  # per rank: name -> [E, ...] contiguous CPU tensor
+        self.names = tuple(names)
+        self.weights = tuple(n for n in self.names if n in ("w13_weight", "w2_weight"))
+        self.scales = tuple(n for n in self.names if n not in self.weights)
         self.index = index
         self.control = control
         self.gate = gate
 
-    def _src_ptr(self, rank: int, name: str, expert_id: int) -> tuple[int, int]:
-        t = self.shards[rank][name]
-        nbytes = t[0].numel() * t.element_size()
-        return t.data_ptr() + expert_id * nbytes, nbytes
+    def _pointers(self, tp_size: int, w13_weight_ptrs, w13_scale_ptrs, w2_weight_ptrs, w2_scale_ptrs) -> dict:
+        given = {"w13_weight": w13_weight_ptrs, "w2_weight": w2_weight_ptrs}
+        for n in self.scales:
+            given[n] = w13_scale_ptrs if n.startswith("w13") else w2_scale_ptrs
+        ptrs = {k: [int(p) for p in v] for k, v in given.items()}
+        if any(len(v) != tp_size for v in ptrs.values()):
+            raise ValueError(f"layer {self.layer_idx}: need {tp_size} pointers per tensor")
+        return ptrs
+
+    def _rows(self, dst: int, t: torch.Tensor, a: int, b: int) -> None:
+        row = t[0].numel() * t.element_size()
+        ctypes.memmove(dst + a * row, t.data_ptr() + a * row, (b - a) * row)
 
     def submit_write_weight_scale_to_buffer(self, tp_size: int, expert_id: int, w13_weight_ptrs, w13_scale_ptrs,
                                             w2_weight_ptrs, w2_scale_ptrs) -> None:
-        ptrs = dict(zip(WEIGHT_NAMES_FP8, (w13_weight_ptrs, w13_scale_ptrs, w2_weight_ptrs, w2_scale_ptrs)))
-        ptrs = {k: [int(p) for p in v] for k, v in ptrs.items()}
-        if any(len(v) != tp_size for v in ptrs.values()):
-            raise ValueError(f"layer {self.layer_idx}: need {tp_size} pointers per tensor")
+        ptrs = self._pointers(tp_size, w13_weight_ptrs, w13_scale_ptrs, w2_weight_ptrs, w2_scale_ptrs)
 
         def job() -> None:
+            slots = []
             for rank in range(tp_size):
-                slot = self.index.slot_of(WEIGHT_NAMES_FP8[0], rank, ptrs[WEIGHT_NAMES_FP8[0]][rank])
+                slot = self.index.slot_of(self.names[0], rank, ptrs[self.names[0]][rank]) if self.index else None
                 if self.gate is not None:
                     self.gate.wait_writable(rank, slot)
-                for name in WEIGHT_NAMES_FP8:
-                    src, nbytes = self._src_ptr(rank, name, expert_id)
-                    ctypes.memmove(ptrs[name][rank], src, nbytes)
-                if self.control is not None:
+                slots.append(slot)
+            for name in self.weights:
+                rows = self.shards[0][name].shape[1]
+                for a in range(0, rows, self.CHUNK_ROWS):
+                    for rank in range(tp_size):
+                        self._rows(ptrs[name][rank], self.shards[rank][name][expert_id], a,
+                                   min(a + self.CHUNK_ROWS, rows))
+            for rank in range(tp_size):
+                for name in self.scales:
+                    t = self.shards[rank][name][expert_id]
+                    self._rows(ptrs[name][rank], t, 0, t.shape[0])
+            if self.control is not None:
+                for rank, slot in enumerate(slots):
                     self.control.gen[rank, slot] += 1  # single writer: plain increment is safe
 
         self.writer.submit(job)

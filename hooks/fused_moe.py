@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 
 from moetrace.hooks import weight_events
+from moetrace.hooks.layout import layout_facts
 from moetrace.hooks.ranks import module_ranks
 from moetrace.hooks.registration import model_of
 from moetrace.hooks.slots import UNUSED, SlotMapError, read_slot_map
+from moetrace.tracer.guard import GuardMismatch
 from moetrace.tracer.capture import Tracer, cuda_graph_capturing
 from moetrace.schema import TENSOR_NAMES
 
@@ -45,8 +47,9 @@ def layer_of(module) -> int:
 
 class FusedMoECapture:
     """``hook(module, inputs, output)`` for ``register_forward_hook``; returns None
-    (the output is never touched) and never raises. One per factory call: `model` is
-    the model of the runner it was registered for."""
+    (the output is never touched) and never raises, except the guard's GuardMismatch
+    in fail-closed mode: the forward pass then fails before any token is returned.
+    One per factory call: `model` is the model of the runner it was registered for."""
 
     source = "resident"
 
@@ -90,10 +93,13 @@ class FusedMoECapture:
             epoch = None
             if tr.config.resident_cache and not slots.source.startswith("kt") and weight_events.watch_params(tensors):
                 epoch = weight_events.epoch()
+            tr.record_layout(self.source, layer, layout_facts(module), model)
             tr.capture(tensors, layer=layer, source=self.source, step=step, model=model,
                        experts=[slots.experts[i] for i in used], slots=used, positions=used,
                        copies=[slots.copies[i] for i in used], slot_count=len(used),
                        ranks=module_ranks(module, tr.tp_rank, tr.tp_size), weights_epoch=epoch)
+        except GuardMismatch:  # fail-closed: the layer must not be used
+            raise
         except Exception as err:
             try:
                 tr.record_error("fused_moe_hook", err)

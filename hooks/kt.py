@@ -7,10 +7,13 @@ so forward hooks do not see it. When ``load`` returns, the staged tensors are
 final on every rank and ``process_weights_after_loading`` has not run yet: that
 is when the wrapper fingerprints them (``source="staged"``).
 
-Transport order: the position of each expert in the load's CPU-expert order
-(the order the host staging buffers carry them), derived from the load's
-arguments as the fork does; experts copied GPU-to-GPU from the resident layer
-get -1; if the order cannot be derived, the expert index.
+Transport order follows the fork's ``load`` (sglang-kt 0.7.2): FP8 block and
+FP8 channel pass ``original_layer=None``, so EVERY expert is staged through the
+host slots, in id order (position = expert id, whatever the GPU mask says).
+BF16 keeps the resident-first copy: experts of the GPU mask are copied
+device-to-device (-1) and the others are staged in CPU-expert order. A format
+conform does not know keeps that mask-based reading, and if the order cannot be
+derived at all, the expert index.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import sys
 import threading
 
 from moetrace.hooks.fused_moe import expert_tensors
+from moetrace.hooks.layout import kt_format, layout_facts
 from moetrace.hooks.ranks import module_ranks
 from moetrace.hooks.registration import model_of
+from moetrace.tracer.guard import GuardMismatch
 from moetrace.tracer.capture import Tracer
 
 log = logging.getLogger("moetrace.kt")
@@ -36,6 +41,8 @@ KT_MODULES = (
     "sglang.srt.layers.moe.kt_ep_wrapper",
 )
 GPU_COPIED = -1
+# Staged formats whose tensors are not FP8/BF16 shards (hooks.layout.kt_format): skipped with a note.
+UNCAPTURED_KT_FORMATS = ("int4", "mxfp4", "mxfp8")
 
 _ATTACHED: dict[type, "KTLoadCapture"] = {}
 _ATTACH_LOCK = threading.Lock()
@@ -47,9 +54,37 @@ def _ids(value) -> list[int]:
     return [int(v) for v in value]
 
 
-def transport_positions(num_experts: int, args: dict) -> tuple[list[int], str]:
-    """Per-expert transport order from the bound ``load`` arguments, and how it was found."""
+# How SharedFullContext.load moves each format's experts: "all-staged" (through the
+# host slots, in id order) or "resident-first" (GPU-mask experts device-to-device).
+# (INT4: _prepare_weight_int4's full CPU pipeline; MXFP8 -> _prepare_weight_fp8 with
+# original_layer=None; MXFP4 passes original_layer. Those three are not captured.)
+STAGING = {"fp8_block": "all-staged", "fp8_channel": "all-staged", "bf16": "resident-first",
+           "int4": "all-staged", "mxfp8": "all-staged", "mxfp4": "resident-first"}
+
+
+def staged_format(ctx, tensors: dict) -> str | None:
+    """The expert format of a staged context: "fp8_block" | "fp8_channel" | "bf16" |
+    "int4" | "mxfp4" | "mxfp8", None when unknown. The fork's own dispatch flags win
+    where present (hooks.layout.kt_format: MXFP4 and MXFP8 stage FP8-block tensor names
+    with other bytes, INT4 is load()'s fall-through); otherwise the tensor names."""
+    fmt = kt_format(ctx)
+    if fmt is not None:
+        return fmt
+    if "w13_weight_scale_inv" in tensors:
+        return "fp8_block"
+    if "w13_weight_scale" in tensors:
+        return "fp8_channel"
+    if "w13_weight" in tensors:
+        return "bf16"
+    return None
+
+
+def transport_positions(num_experts: int, args: dict, fmt: str | None = None) -> tuple[list[int], str]:
+    """Per-expert transport order from the format and the bound ``load`` arguments,
+    and how it was found."""
     order = list(range(num_experts))
+    if STAGING.get(fmt) == "all-staged":
+        return order, "all-staged"
     original = args.get("original_layer")
     if "cpu_expert_ids_t" in args or "gpu_expert_ids_t" in args:
         gpu_ids, cpu_ids = args.get("gpu_expert_ids_t"), args.get("cpu_expert_ids_t")
@@ -119,7 +154,8 @@ class KTLoadCapture:
                 setattr(self.cls, "load", self._original)
 
     def after_load(self, ctx, args: tuple, kwargs: dict) -> None:
-        """Fingerprint every expert of ``ctx.gpu_layer``; never raises."""
+        """Fingerprint every expert of ``ctx.gpu_layer``; never raises, except the guard's
+        GuardMismatch in fail-closed mode (then the caller never uses the layer)."""
         tr = self.tracer
         if not tr.enabled:
             return
@@ -137,20 +173,28 @@ class KTLoadCapture:
                 return
             gpu_layer = ctx.gpu_layer
             tensors = expert_tensors(gpu_layer)
+            fmt = staged_format(ctx, tensors)
+            if fmt in UNCAPTURED_KT_FORMATS:  # their payloads sit under FP8 names but are not FP8 shards
+                tr.note_once(f"KT {fmt} staged contexts are not captured (moetrace captures FP8 block/channel and "
+                             "BF16 staged layers; docs/compat.md)")
+                return
             if not tensors:
                 names = sorted(n for n, _ in gpu_layer.named_parameters()) if hasattr(gpu_layer, "named_parameters") else []
                 tr.note_once(f"staged layer holds no FP8/BF16 FusedMoE tensors ({', '.join(names) or 'none'}): "
                              "staged capture skipped for this format")
                 return
             n = next(iter(tensors.values())).shape[0]
-            positions, how = transport_positions(n, a)
+            positions, how = transport_positions(n, a, fmt)
             if how == "expert-index":
                 tr.note_once("KT load signature without expert-order arguments: transport_position is the expert index")
             ranks = module_ranks(gpu_layer, tr.tp_rank, tr.tp_size)
             experts = list(range(n))  # the full staged layer: slot e holds expert e
             tr.sink.count_slot_map(model, "kt-staged")
+            tr.record_layout(self.source, layer, layout_facts(gpu_layer, ctx), model)
             tr.capture(tensors, layer=layer, source=self.source, step=step, experts=experts, model=model,
                        slots=experts, positions=positions, ranks=ranks, slot_count=n)
+        except GuardMismatch:  # fail-closed: the layer must not be used
+            raise
         except Exception as err:
             try:
                 tr.record_error("kt_load_wrapper", err)

@@ -49,6 +49,14 @@ def flags_from_help(text: str) -> tuple[str, ...] | None:
     return None
 
 
+def invokes_sglang(cmd: Sequence[str]) -> bool:
+    """The command starts SGLang itself (``-m sglang.launch_server``, the ``sglang``
+    script, ``sglang_router``): only then is its ``--help`` SGLang's. Any other command
+    (a wrapper script, a stand-in) may ignore --help and start serving, so it is never
+    probed."""
+    return any(os.path.basename(a) == "sglang" or a.startswith(("sglang.", "sglang_router.")) for a in cmd)
+
+
 def probe_help(cmd: Sequence[str], timeout_s: float = HELP_TIMEOUT_S) -> str | None:
     """The server command's ``--help`` output, or None when it fails or does not answer."""
     try:

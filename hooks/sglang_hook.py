@@ -11,6 +11,7 @@ runner does the same for its own model. The factory
 - finds this worker's identity (TP rank, pipeline stage, replica: hooks.ranks),
 - opens (once per process and run) the tracer and its Parquet sink,
 - wraps KT's ``SharedFullContext.load`` when the server is a KT server,
+- with the guard on, listens to the server's weight-update entry points,
 - returns a FusedMoE capture hook bound to that model.
 
 It never raises into the server: a bad config or an unwritable output logs an
@@ -91,6 +92,8 @@ def make_hook(config: dict | None):
         return None
     if cfg.resident_cache and not weight_events.install():
         tracer.note_once("SGLang's weight writers were not found: resident weights are fingerprinted on every pass")
+    if tracer.guard is not None and not weight_events.watch_updates(tracer.guard.weights_updated):
+        tracer.note_once("guard: SGLang's weight-update entry points were not found: a weight update would not be seen")
     try:
         model = serve_model(tracer, reg)
     except Exception as err:

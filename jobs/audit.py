@@ -14,10 +14,15 @@ from moetrace.analysis.plot import plot_format
 from moetrace.analysis.report import Report, analyze
 from moetrace.checkpoints.index import index_metadata
 from moetrace.checkpoints.reader import open_checkpoint
+from moetrace import storage
 from moetrace.errors import MoetraceError
 from moetrace.jobs.traffic import Traffic, launch_and_drive
+from moetrace.schema import parse_ids
 
-AUDIT_WORDS = {0: "pass", 1: "divergence found", 2: "incomplete"}
+# Exit codes of analyze and audit (docs/analysis.md, "Exit codes"). 1 means a divergence
+# and nothing else; 3 says the verdict was a pass but a report file is missing.
+EXIT_PASS, EXIT_DIVERGENT, EXIT_INCOMPLETE, EXIT_REPORT_UNWRITTEN = 0, 1, 2, 3
+AUDIT_WORDS = {0: "pass", 1: "divergence found", 2: "incomplete", 3: "pass, but a report was not written"}
 
 
 @dataclass(frozen=True)
@@ -29,34 +34,52 @@ class ReportFiles:
     junit: str | None = None
     plot: str | None = None
 
-    def write_unusable(self, message: str) -> None:
-        """Reports for a trace that could not be analyzed at all; the one-line error about
-        the trace is what matters, so a report that cannot be written is skipped."""
-        for path, text in ((self.json_out, render.unusable_json), (self.markdown, render.unusable_markdown),
-                           (self.junit, render.unusable_junit)):
+    def options(self) -> list[tuple[str, str]]:
+        return [(o, p) for o, p in (("--json-out", self.json_out), ("--markdown", self.markdown),
+                                    ("--junit", self.junit), ("--plot", self.plot)) if p]
+
+    def check(self) -> None:
+        """Before any work: a bad --plot name, or a report path that is a FIFO, a device
+        or a link, is refused in one line (exit 2)."""
+        if self.plot:
+            plot_format(self.plot)
+        for option, path in self.options():
+            storage.check_output(path, option)
+
+    def write_unusable(self, message: str) -> list[str]:
+        """Reports for a trace that could not be analyzed at all; returns the errors of
+        those that could not be written (the one-line error about the trace comes first)."""
+        failed = []
+        for option, path, text in (("--json-out", self.json_out, render.unusable_json),
+                                   ("--markdown", self.markdown, render.unusable_markdown),
+                                   ("--junit", self.junit, render.unusable_junit)):
             if path:
                 try:
-                    with open(path, "w") as fh:
-                        fh.write(text(message))
-                except OSError:
-                    pass
+                    storage.write_local_text(path, option, text(message))
+                except MoetraceError as err:
+                    failed.append(str(err))
+        return failed
 
-    def write(self, rep: Report) -> list[str]:
-        """Write every requested report; returns "kind: path" for each."""
-        written = []
-        try:
-            for path, kind, text in ((self.json_out, "json", render.to_json), (self.markdown, "markdown", render.to_markdown),
-                                     (self.junit, "junit", render.to_junit)):
-                if path:
-                    with open(path, "w") as fh:
-                        fh.write(text(rep))
+    def write(self, rep: Report) -> tuple[list[str], list[str]]:
+        """Write every requested report, each whole or not at all; returns ("kind: path"
+        written, one-line errors of those that could not be)."""
+        written, failed = [], []
+        for option, path, kind, text in (("--json-out", self.json_out, "json", render.to_json),
+                                         ("--markdown", self.markdown, "markdown", render.to_markdown),
+                                         ("--junit", self.junit, "junit", render.to_junit)):
+            if path:
+                try:
+                    storage.write_local_text(path, option, text(rep))
                     written.append(f"{kind}: {path}")
-            if self.plot:
+                except MoetraceError as err:
+                    failed.append(str(err))
+        if self.plot:
+            try:
                 make_plot(rep, self.plot)
                 written.append(f"plot: {self.plot}")
-        except OSError as err:
-            raise MoetraceError(f"cannot write report: {err}") from None
-        return written
+            except MoetraceError as err:
+                failed.append(str(err))
+        return written, failed
 
 
 @dataclass(frozen=True)
@@ -81,55 +104,72 @@ class LaunchOptions:
     base_url: str | None = None
     hook_config: dict = field(default_factory=dict)
     server_flags: str = "auto"  # hooks.server.FLAG_CHOICES
+    replace: bool = False  # delete an existing OUT/<run_id> first (else it is refused)
+    stop_grace_s: float = 30.0
 
 
 def run_analysis(command: str, opts: AnalysisOptions, echo: Callable[[str], None],
-                 extra_doc: dict | None = None) -> Report:
-    """Analyze, write the reports, print the text (or JSON) report."""
+                 extra_doc: dict | None = None, warn: Callable[[str], None] | None = None) -> tuple[Report, bool]:
+    """Analyze, print the text (or JSON) report, then write the report files.
+    Returns (report, every report file written). The verdict is printed before any
+    file is written, so a report that cannot be written never hides it; `warn` gets
+    one line per report that could not be."""
+    warn = warn or echo
+    opts.reports.check()
     try:
-        if opts.reports.plot:  # a bad --plot name fails before any work
-            plot_format(opts.reports.plot)
         rep = analyze(list(opts.trace), index=opts.index, checkpoint=opts.checkpoint, max_rows=opts.max_rows)
     except MoetraceError as err:
         if command == "audit":
-            opts.reports.write_unusable(str(err))
+            for line in opts.reports.write_unusable(str(err)):
+                warn(f"moetrace: error: {line}")
         raise
     if extra_doc:
         rep.doc.update(extra_doc)
-    written = opts.reports.write(rep)
-    if opts.as_json:
-        echo(render.to_json(rep))
-    else:
-        echo(render.to_text(rep, max_lines=opts.max_lines, command=command))
+    echo(render.to_json(rep) if opts.as_json else render.to_text(rep, max_lines=opts.max_lines, command=command))
+    written, failed = opts.reports.write(rep)
+    if not opts.as_json:
         for w in written:
             echo(f"wrote {w}")
-    return rep
+    for line in failed:
+        warn(f"moetrace: error: {line}")
+    return rep, not failed
+
+
+def exit_code(verdict: int, reports_written: bool) -> int:
+    """The one rule: the verdict's code, except that a pass whose report files are not
+    all written exits 3 (a missing report must not look like a pass)."""
+    return EXIT_REPORT_UNWRITTEN if verdict == EXIT_PASS and not reports_written else verdict
 
 
 def run_audit(opts: AnalysisOptions, launch: LaunchOptions | None, echo: Callable[[str], None],
-              progress: Callable[[str], None]) -> int:
-    """The audit: 0 pass, 1 divergence found, 2 incomplete or unusable (raised as MoetraceError)."""
+              progress: Callable[[str], None], warn: Callable[[str], None] | None = None) -> int:
+    """The audit's exit code (exit_code): 0 pass, 1 divergence found, 2 incomplete or
+    unusable (raised as MoetraceError), 3 pass but a report file was not written."""
+    warn = warn or progress
     traffic_problem, launch_doc = None, None
     if launch is not None:
         if opts.trace:
             raise MoetraceError("audit: give either TRACE folders or --launch, not both")
         if not (opts.index or opts.checkpoint):
             raise MoetraceError("audit --launch: give --index FILE or --checkpoint CKPT to compare against")
+        opts.reports.check()  # before the server starts
         run_dir, traffic_problem, launch_doc = _launch(launch, opts, progress)
         opts = AnalysisOptions(**{**opts.__dict__, "trace": (run_dir,)})
     elif not opts.trace:
         raise MoetraceError("audit: give a TRACE folder (OUT/<run_id>) or --launch CMD")
     try:
-        rep = run_analysis("audit", opts, echo, extra_doc=launch_doc)
+        rep, written = run_analysis("audit", opts, echo, extra_doc=launch_doc, warn=warn)
     except MoetraceError as err:
         if traffic_problem:  # say why first: the empty trace is only the consequence
             msg = f"audit --launch: {traffic_problem}; then: {err}"
-            opts.reports.write_unusable(msg)
+            for line in opts.reports.write_unusable(msg):
+                warn(f"moetrace: error: {line}")
             raise MoetraceError(msg) from None
         raise
-    code = rep.exit_code
-    if traffic_problem and code == 0:
-        code = 2  # a trace of traffic that did not happen proves nothing
+    verdict = rep.exit_code
+    if traffic_problem and verdict == EXIT_PASS:
+        verdict = EXIT_INCOMPLETE  # a trace of traffic that did not happen proves nothing
+    code = exit_code(verdict, written)
     if not opts.as_json:
         if traffic_problem:
             echo(f"audit: traffic problem: {traffic_problem}")
@@ -146,12 +186,18 @@ def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[st
     if opts.index:
         config.setdefault("checkpoint_id", index_metadata(opts.index)["checkpoint_id"])
     elif opts.checkpoint:
-        config.setdefault("checkpoint_id", open_checkpoint(opts.checkpoint).identity)
+        ckpt = open_checkpoint(opts.checkpoint)
+        config.setdefault("checkpoint_id", ckpt.identity)
+        # the model's sizes are known: ranges past them are errors, never expanded in every server worker
+        parse_ids(config.get("layers"), "--hook-config layers", bound=ckpt.spec.num_layers)
+        parse_ids(config.get("experts"), "--hook-config experts", bound=ckpt.spec.num_experts + ckpt.spec.shared_experts)
     try:
         run_dir, server_code, res = launch_and_drive(launch.command, config, launch.traffic, launch.base_url,
-                                                     echo=progress, server_flags=launch.server_flags)
+                                                     echo=progress, server_flags=launch.server_flags,
+                                                     replace=launch.replace, stop_grace_s=launch.stop_grace_s)
     except MoetraceError as err:
-        opts.reports.write_unusable(f"audit --launch: {err}")
+        for line in opts.reports.write_unusable(f"audit --launch: {err}"):
+            progress(f"moetrace: error: {line}")
         raise
     problem = None if res.ok else (res.error or "traffic did not complete")
     progress(f"moetrace: server exited with {server_code}; {res.sent} requests answered, {res.failed} failed")

@@ -3,7 +3,9 @@ emulated TP2 KT staging server.
 
 checkpoint (synthetic Qwen3.5 FP8) -> index -> emulated server, unfenced and
 fenced, same requests, moetrace's own hooks -> analyze both -> reports, plot,
-token-0 differences against a reference computed from the checkpoint.
+token-0 differences against a reference computed from the checkpoint. The staged
+loads are the installed sglang-kt's own code where it is installed (transport
+"fork", kt-kernel's writer on rank 0), else the emulator's (said in the output).
 """
 
 from __future__ import annotations
@@ -60,12 +62,16 @@ def _prepare(workdir: Path, size: DemoSize, echo: Callable[[str], None]) -> tupl
 
 
 def _run(ckpt: Path, traces: Path, run_id: str, fence: str, requests: list[dict], checkpoint_id: str,
-         device: str, slow_rank: int | None):
+         device: str, slow_rank: int | None, transport: str, index: Path):
     from moetrace.emulator import run_emulation
     from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec
 
-    spec = hook_spec({"out": str(traces), "run_id": run_id, "checkpoint_id": checkpoint_id}, DEFAULT_TARGETS)
-    return run_emulation(ckpt, requests, tp=2, fence=fence, slow_rank=slow_rank, forward_hooks=spec, device=device)
+    # The guard checks every load in the server as well (on the device, against the index);
+    # guard_rows=all keeps the whole trace for the analysis.
+    spec = hook_spec({"out": str(traces), "run_id": run_id, "checkpoint_id": checkpoint_id, "index": str(index),
+                      "guard": "record", "guard_rows": "all"}, DEFAULT_TARGETS)
+    return run_emulation(ckpt, requests, tp=2, fence=fence, slow_rank=slow_rank, forward_hooks=spec, device=device,
+                         transport=transport)
 
 
 def _token0_delta(result, reference) -> float:
@@ -74,29 +80,53 @@ def _token0_delta(result, reference) -> float:
 
 
 def run_pair(workdir: Path, size: DemoSize, device: str = "cpu", slow_rank: int | None = 1,
-             echo: Callable[[str], None] = lambda s: None, runs: tuple[tuple[str, str], ...] = RUNS) -> dict:
+             echo: Callable[[str], None] = lambda s: None, runs: tuple[tuple[str, str], ...] = RUNS,
+             transport: str = "auto") -> dict:
     """Unfenced and fenced runs on one schedule, analyzed; returns the pieces."""
     from moetrace.analysis import analyze
     from moetrace.emulator import reference_outputs
+    from moetrace.emulator.fork_transport import resolve_transport
 
     workdir.mkdir(parents=True, exist_ok=True)
+    transport, staged_by = resolve_transport(transport, device)
+    echo(f"staged loads: {staged_by}")
     ckpt, index, checkpoint_id = _prepare(workdir, size, echo)
     requests = demo_requests(size)
     traces = workdir / "traces"
     reference = reference_outputs(ckpt, requests, tp=2)
-    out = {"checkpoint": ckpt, "index": index, "traces": traces, "runs": {}}
+    out = {"checkpoint": ckpt, "index": index, "traces": traces, "runs": {}, "transport": transport,
+           "staged_by": staged_by}
     for run_id, fence in runs:
         t0 = time.perf_counter()
-        result = _run(ckpt, traces, run_id, fence, requests, checkpoint_id, device, slow_rank)
+        result = _run(ckpt, traces, run_id, fence, requests, checkpoint_id, device, slow_rank, transport, index)
         seconds = time.perf_counter() - t0
         report = analyze([str(traces / run_id)], index=str(index))
         out["runs"][run_id] = {"fence": fence, "result": result, "report": report, "seconds": seconds,
+                               "guard": guard_records(traces, run_id),
                                "token0_max_abs_delta": _token0_delta(result, reference),
                                "tokens_equal_reference": all(r.output_ids == ref.output_ids
                                                              for r, ref in zip(result.requests, reference))}
         echo(f"ran the emulated TP2 server {run_id} (--fence {fence}): {len(result.loads)} staged layer-loads, "
              f"{seconds:.1f} s")
     return out
+
+
+def guard_records(traces: Path, run_id: str) -> dict[str, dict]:
+    """The in-server guard's record of each rank ({rank: manifest guard section})."""
+    from moetrace.tracer.manifest import read_manifests
+
+    return {str(r): m.get("guard") or {} for r, m in read_manifests(str(traces), run_id).items()}
+
+
+def guard_sentence(records: dict[str, dict]) -> str:
+    parts = []
+    for rank, g in sorted(records.items()):
+        t, loads = g.get("tensors") or {}, g.get("loads") or {}
+        checked, n = t.get("match", 0) + t.get("mismatch", 0), loads.get("mismatch", 0)
+        cov = ", ".join(f"{k} {v:.0%}" for k, v in sorted((g.get("coverage") or {}).items())) or "none"
+        parts.append(f"rank {rank} {g.get('status')}: {t.get('mismatch', 0):,}/{checked:,} tensors mismatched "
+                     f"in {n:,} load{'' if n == 1 else 's'}, coverage {cov}")
+    return "; ".join(parts) or "no guard record"
 
 
 def _write_reports(run_id: str, report, reports: Path) -> dict:
@@ -113,12 +143,12 @@ def _write_reports(run_id: str, report, reports: Path) -> dict:
 
 
 def run_demo(workdir: str | Path, device: str = "cpu", quick: bool = False,
-             echo: Callable[[str], None] = print) -> dict:
+             echo: Callable[[str], None] = print, transport: str = "auto") -> dict:
     workdir = Path(workdir)
     t0 = time.perf_counter()
-    pair = run_pair(workdir, QUICK if quick else FULL, device, echo=echo)
+    pair = run_pair(workdir, QUICK if quick else FULL, device, echo=echo, transport=transport)
     summary = {"workdir": str(workdir), "checkpoint": str(pair["checkpoint"]), "index": str(pair["index"]),
-               "runs": {}}
+               "transport": pair["transport"], "staged_by": pair["staged_by"], "runs": {}}
     for run_id, run in pair["runs"].items():
         rep = run["report"]
         doc = rep.doc
@@ -131,6 +161,8 @@ def run_demo(workdir: str | Path, device: str = "cpu", quick: bool = False,
             "summaries": [s["sentence"] for s in doc["summaries"]],
             "token0_max_abs_logit_delta_vs_reference": run["token0_max_abs_delta"],
             "tokens_equal_reference": run["tokens_equal_reference"],
+            "guard": run["guard"],
+            "guard_sentence": guard_sentence(run["guard"]),
             "reports": _write_reports(run_id, rep, workdir / "reports"),
         }
     summary["seconds"] = round(time.perf_counter() - t0, 1)
@@ -143,6 +175,7 @@ def run_demo(workdir: str | Path, device: str = "cpu", quick: bool = False,
 def print_demo(summary: dict, echo: Callable[[str], None] = print) -> None:
     unf, fen = summary["runs"]["unfenced"], summary["runs"]["fenced"]
     echo("")
+    echo(f"staged loads: {summary['staged_by']}")
     echo("== unfenced (the fork as it is: rank 0 waits only for its own copy before refilling a slot)")
     for s in unf["first_divergence"]:
         echo(f"first divergence: {s}")
@@ -151,10 +184,12 @@ def print_demo(summary: dict, echo: Callable[[str], None] = print) -> None:
     if len(unf["summaries"]) > 4:
         echo(f"  ... {len(unf['summaries']) - 4} more loads like these")
     echo(f"  {unf['totals']}")
+    echo(f"  in-server guard: {unf['guard_sentence']}")
     echo(f"  token 0 vs reference: max |logit delta| {unf['token0_max_abs_logit_delta_vs_reference']:.3g}"
          f"{'' if unf['tokens_equal_reference'] else ', output tokens differ'}")
     echo("== fenced (every rank syncs its copy, then a collective fence, before a slot is reused)")
     echo(f"  {fen['totals']}")
+    echo(f"  in-server guard: {fen['guard_sentence']}")
     echo(f"  token 0 vs reference: max |logit delta| {fen['token0_max_abs_logit_delta_vs_reference']:.3g}"
          f"{'' if fen['tokens_equal_reference'] else ', output tokens differ'}")
     echo("")
@@ -174,13 +209,36 @@ def detector_proof(workdir: Path, device: str = "cpu", quick: bool = True) -> di
     transport must be caught as E+2 on rank 1's w2 scales, and the fenced one
     must pass with full coverage, on the same injected schedule."""
     pair = run_pair(Path(workdir) / "detector", QUICK if quick else FULL, device)
-    return judge_detector(pair["runs"]["unfenced"]["report"], pair["runs"]["fenced"]["report"])
+    runs = pair["runs"]
+    verdict = judge_detector(runs["unfenced"]["report"], runs["fenced"]["report"],
+                             (runs["unfenced"]["guard"], runs["fenced"]["guard"]))
+    verdict["detail"] = f"{verdict['detail']} [staged loads: {pair['staged_by']}]"
+    verdict["transport"] = pair["transport"]
+    return verdict
 
 
-def judge_detector(unf, fen) -> dict:
+def judge_guard(unf, guard_unf: dict, guard_fen: dict) -> list[str]:
+    """The in-server guard (on the run's device) must agree with the analysis: unfenced,
+    its mismatch counters add up to the analysis' divergent tensors, none on rank 0;
+    fenced, no mismatch, nothing unverified, full coverage on every rank."""
+    problems = []
+    counted = sum((g.get("tensors") or {}).get("mismatch", 0) for g in guard_unf.values())
+    if counted != unf.doc["totals"]["divergent"] or not counted:
+        problems.append(f"the guard counted {counted} mismatching tensors unfenced, the analysis "
+                        f"{unf.doc['totals']['divergent']} divergent")
+    if (guard_unf.get("0", {}).get("tensors") or {}).get("mismatch"):
+        problems.append("the guard counted mismatches on rank 0 unfenced (the slow peer is rank 1)")
+    for rank, g in sorted(guard_fen.items()):
+        t, cov = g.get("tensors") or {}, g.get("coverage") or {}
+        if t.get("mismatch") or t.get("unverified") or not cov or any(v != 1.0 for v in cov.values()):
+            problems.append(f"the guard on fenced rank {rank} is not clean ({guard_sentence({rank: g})})")
+    return problems
+
+
+def judge_detector(unf, fen, guards: tuple[dict, dict] | None = None) -> dict:
     """The detector proof's verdict on two analyzed runs of one schedule: the unfenced
     report must name E+2 on rank 1's w2 scales first, the fenced one must be a clean,
-    complete audit."""
+    complete audit; ``guards``: the in-server guard's records of both runs (judge_guard)."""
     first = [e for f in unf.doc["first_divergence"] for e in f["entries"]]
     caught = unf.exit_code == 1 and any(
         e["verdict"] == "stale" and e.get("k") == 2 and e["tp_rank"] == 1 and e["tensor"] == "w2_weight_scale_inv"
@@ -194,8 +252,11 @@ def judge_detector(unf, fen) -> dict:
         problems.append(f"unfenced run not caught as E+2 on rank 1's w2_weight_scale_inv (audit exit {unf.exit_code}: {got})")
     if not clean:
         problems.append(f"fenced run is not a clean complete audit (exit {fen.exit_code}: {totals['sentence']})")
+    if guards is not None:
+        problems += judge_guard(unf, *guards)
     detail = (
         f"unfenced caught: {first[0]['sentence']}; fenced: {totals['sentence']}"
+        + (f"; in-server guard agrees ({guard_sentence(guards[0])})" if guards is not None else "")
         if not problems else "; ".join(problems)
     )
     return {"ok": not problems, "detail": detail, "unfenced_exit": unf.exit_code, "fenced_exit": fen.exit_code,

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from moetrace.jobs import demo
@@ -113,6 +114,15 @@ def prove_fingerprint(device: str, quick: bool, on_device: Callable[[torch.Tenso
             checked += 1
             if F.fingerprint_rows(w.to(dev), method) != want:
                 mismatches.append(f"fingerprint_rows float8_e4m3fn[8,96,1000] ({method})")
+        checked += 1  # the guard's fold of those lanes on the device = the host fold
+        rows = F.row_bytes(w.to(dev))
+        lanes = F.row_lanes(rows)
+        host = F.chunk_digests(lanes.cpu().numpy(), rows.shape[1])
+        low, high = F.device_lane_words(lanes)
+        want = F.expected_lane_words(host, rows.shape[1])
+        if not (np.array_equal(F.device_chunk_digests(lanes, rows.shape[1]).cpu().numpy(), host)
+                and np.array_equal(low.cpu().numpy(), want[0]) and np.array_equal(high.cpu().numpy(), want[1])):
+            mismatches.append("the guard's device fold of fingerprint_rows' lanes")
         sensitivity = _sensitivity(dev)
         ok = not mismatches and not sensitivity
         where = f"{'CUDA' if dev.type == 'cuda' else 'CPU'} {'+'.join(methods)}"

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import shlex
+import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable
@@ -89,8 +91,40 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(resp.read() or b"{}")
 
 
-def drive(base_url: str, traffic: Traffic, server_alive: Callable[[], bool], echo: Callable[[str], None]) -> TrafficResult:
-    """Wait for health, then send the prompts; never raises."""
+def _host_port(base_url: str) -> tuple[str, int | None]:
+    u = urllib.parse.urlsplit(base_url)
+    try:
+        return u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:
+        return u.hostname or "", None
+
+
+def _is_local(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", "") or host.startswith("127.")
+
+
+def check_port_free(base_url: str) -> dict:
+    """Before launching: nothing may answer where the new server will listen, or the
+    traffic would go to that other process. Returns the port_check record."""
+    host, port = _host_port(base_url)
+    check = {"host": host, "port": port, "free_before_launch": None, "listener_verified": None, "how": None}
+    if port is None or not _is_local(host):
+        check["how"] = "not checked: the server URL is not on this machine"
+        return check
+    try:
+        with socket.create_connection((host or "127.0.0.1", port), timeout=1.0):
+            pass
+    except OSError:
+        check["free_before_launch"] = True
+        return check
+    raise MoetraceError(f"--launch: port {port} on {host} is already in use by another process (it answered before "
+                        "the server was started); stop it, or give the server another --port")
+
+
+def drive(base_url: str, traffic: Traffic, server_alive: Callable[[], bool], echo: Callable[[str], None],
+          listener_is_ours: Callable[[], bool | None] | None = None, port_check: dict | None = None) -> TrafficResult:
+    """Wait for health, check the server answering is the one started (its process
+    group holds the listening socket), then send the prompts; never raises."""
     res = TrafficResult()
     t0 = time.monotonic()
     while True:
@@ -108,6 +142,15 @@ def drive(base_url: str, traffic: Traffic, server_alive: Callable[[], bool], ech
             return res
         time.sleep(0.5)
     res.seconds_to_ready = round(time.monotonic() - t0, 2)
+    ours = listener_is_ours() if listener_is_ours is not None else None
+    if port_check is not None:
+        port_check["listener_verified"] = ours
+        port_check["how"] = port_check["how"] or ("/proc: a process of the server's session holds the listening socket"
+                                                  if ours else "/proc" if ours is False else "cannot tell on this system")
+    if ours is False:
+        res.error = (f"the server answering {base_url} is not the one started (no process of its group listens on "
+                     "that port): another process holds it; no traffic sent")
+        return res
     echo(f"moetrace: server healthy at {base_url} after {res.seconds_to_ready} s; sending "
          f"{traffic.requests} fresh prompts x (1 + {traffic.replays} replays) of ~{traffic.prompt_tokens} words")
     for i in range(traffic.requests):
@@ -129,6 +172,14 @@ def drive(base_url: str, traffic: Traffic, server_alive: Callable[[], bool], ech
     return res
 
 
+def split_command(command: str) -> list[str]:
+    """--launch CMD as the shell would split it; a quoting mistake is one line."""
+    try:
+        return shlex.split(command)
+    except ValueError as err:
+        raise MoetraceError(f"--launch {command!r}: cannot split the command like a shell would ({err})") from None
+
+
 def launch_and_drive(server_cmd: str | list[str], config: dict, traffic: Traffic, base_url: str | None = None,
                      echo: Callable[[str], None] = print, **launcher_kwargs) -> tuple[str, int, TrafficResult]:
     """Run the server under the Launcher, drive traffic from a thread, stop it.
@@ -136,18 +187,28 @@ def launch_and_drive(server_cmd: str | list[str], config: dict, traffic: Traffic
     Returns (run folder URL/path, server exit code, traffic result).
     """
     from moetrace.hooks.launch import Launcher
+    from moetrace.hooks.process import session_listens
 
-    cmd = shlex.split(server_cmd) if isinstance(server_cmd, str) else list(server_cmd)
+    cmd = split_command(server_cmd) if isinstance(server_cmd, str) else list(server_cmd)
     if not cmd:
         raise MoetraceError("--launch: empty server command")
     url = base_url_from(cmd, base_url)
+    port_check = check_port_free(url)
     launcher = Launcher(cmd, config, echo=echo, **launcher_kwargs)
+    launcher.run_manifest["port_check"] = port_check
+    host, port = _host_port(url)
     result = TrafficResult()
+
+    def listener_is_ours() -> bool | None:
+        if launcher.server is None or port is None or not _is_local(host):
+            return None
+        return session_listens(launcher.server.pid, port)
 
     def worker():
         nonlocal result
         try:
-            result = drive(url, traffic, lambda: launcher.proc is None or launcher.proc.poll() is None, echo)
+            result = drive(url, traffic, lambda: launcher.proc is None or launcher.proc.poll() is None, echo,
+                           listener_is_ours, port_check)
         except Exception as err:  # drive never raises; belt and braces for the thread
             result.error = f"traffic driver crashed: {err}"
         finally:

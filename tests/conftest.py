@@ -40,6 +40,21 @@ def make_ckpt(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def small_model(make_ckpt):
+    """support.traces.CheckpointModel of the SMALL_MOE checkpoint (2 layers, 4 experts) at
+    TP2, for tests about input handling rather than shards."""
+    from support.traces import SMALL_MOE, CheckpointModel
+
+    return CheckpointModel(make_ckpt(**SMALL_MOE), tp_size=2)
+
+
+@pytest.fixture(scope="session")
+def small_index(small_model, tmp_path_factory) -> str:
+    """The index of small_model (TP2), built once per session."""
+    return small_model.write_index(str(tmp_path_factory.mktemp("small-index") / "index.parquet"))
+
+
 @pytest.fixture
 def ckpt_copy(make_ckpt, tmp_path):
     """ckpt_copy(**kwargs) -> Path of a private copy, free to corrupt."""

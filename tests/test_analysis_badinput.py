@@ -14,21 +14,20 @@ from click.testing import CliRunner
 from moetrace.analysis.report import analyze
 from moetrace.cli import main
 from moetrace.errors import MoetraceError
-from support.traces import CheckpointModel, write_scenario
+from support.traces import SMALL_MOE, CheckpointModel, write_scenario
 
 
-SIZES = dict(num_layers=2, num_experts=4, hidden=256, intermediate=512)
-
-
-@pytest.fixture(scope="module")
-def model(make_ckpt):
-    # small: these tests are about input handling, not shards
-    return CheckpointModel(make_ckpt(**SIZES), tp_size=2)
+SIZES = SMALL_MOE  # small: these tests are about input handling, not shards
 
 
 @pytest.fixture(scope="module")
-def index(model, tmp_path_factory):
-    return model.write_index(str(tmp_path_factory.mktemp("ix") / "index.parquet"))
+def model(small_model):
+    return small_model
+
+
+@pytest.fixture(scope="module")
+def index(small_index):
+    return small_index
 
 
 @pytest.fixture

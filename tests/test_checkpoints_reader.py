@@ -79,10 +79,33 @@ def test_spec_of_qwen35_nested_config_and_formats():
     s = spec_from_config(cfg, "config.json")
     assert (s.family, s.prefix, s.num_experts, s.hidden_size, s.intermediate_size, s.fmt, s.block) == (
         "qwen3_5_moe", "model.language_model", 256, 3072, 1024, "fp8_block", (128, 128))  # fmt: skip
-    cfg["quantization_config"]["weight_block_size"] = None
-    assert spec_from_config(cfg, "config.json").fmt == "fp8_channel"
+    cfg["quantization_config"]["weight_block_size"] = None  # SGLang's fp8 method: per-tensor scales
+    assert (spec_from_config(cfg, "config.json").fmt, spec_from_config(cfg, "config.json").quant_method) == ("fp8_tensor", "fp8")
     del cfg["quantization_config"]
     assert spec_from_config(cfg, "config.json").fmt == "bf16"
+
+
+@pytest.mark.parametrize("weights,want", [
+    ({"strategy": "channel"}, ("fp8_channel", None, "weight_scale")),
+    ({"strategy": "block", "block_structure": [128, 64]}, ("fp8_block", (128, 64), "weight_scale")),
+    ({"strategy": "tensor"}, ("fp8_tensor", None, "weight_scale")),
+])  # fmt: skip
+def test_compressed_tensors_fp8_schemes(weights, want):
+    w = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, **weights}
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 2, "num_experts": 8, "hidden_size": 64,
+           "moe_intermediate_size": 64, "quantization_config": {"quant_method": "compressed-tensors",
+                                                               "config_groups": {"g": {"weights": w}}}}
+    s = spec_from_config(cfg, "config.json")
+    assert (s.fmt, s.block, s.scale_suffix, s.quant_method) == (*want, "compressed-tensors")
+
+
+def test_compressed_tensors_non_fp8_refused():
+    w = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 2, "num_experts": 8, "hidden_size": 64,
+           "moe_intermediate_size": 64, "quantization_config": {"quant_method": "compressed-tensors",
+                                                               "config_groups": {"group_0": {"weights": w}}}}
+    with pytest.raises(MoetraceError, match=r"config_groups.group_0 quantizes weights as 'int' 4-bit, strategy 'group'"):
+        spec_from_config(cfg, "config.json")
 
 
 def test_dense_layers_mtp_and_visual_ignored(ckpt_copy):
@@ -287,10 +310,21 @@ def test_one_scale_with_wrong_shape(ckpt_copy):
 
 def test_config_format_disagrees_with_tensors(ckpt_copy):
     root = ckpt_copy(family="qwen3_moe", fmt="fp8_channel", **SMALL)
-    _edit_json(root / "config.json", lambda d: d["quantization_config"].update(weight_block_size=[128, 128]))
-    with pytest.raises(MoetraceError, match=r"config.json: weight_block_size \[128, 128\] says block FP8 but "
-                       r"model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv is missing; it has per-channel"):  # fmt: skip
+    _edit_json(root / "config.json", lambda d: d.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}))
+    with pytest.raises(MoetraceError, match=r"config.json: quantization_config \(fp8, block scales\) needs "
+                       r"model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv but it is missing; it has "
+                       r"model.layers.1.mlp.experts.0.gate_proj.weight_scale"):  # fmt: skip
         open_checkpoint(root)
+
+
+def test_fp8_without_blocks_over_per_channel_scales(ckpt_copy):
+    """fp8 without weight_block_size is per-tensor in SGLang: per-channel scales under it
+    (what older moetrace wrote as fp8_channel) are refused with the way out."""
+    root = ckpt_copy(family="qwen3_moe", fmt="fp8_channel", **SMALL)
+    _edit_json(root / "config.json", lambda d: d.update(quantization_config={"quant_method": "fp8"}))
+    with pytest.raises(MoetraceError, match=r"weight_scale in .*expected F32\|BF16\|F16 \[\] or \[1\] .*per-channel FP8 "
+                       r"checkpoints are compressed-tensors with strategy channel.*found"):  # fmt: skip
+        expected_layer(open_checkpoint(root), 1, 0, Parallel(1))
 
 
 def test_bf16_config_over_fp8_tensors(ckpt_copy):

@@ -68,7 +68,8 @@ def test_layers_and_seeds_differ():
     assert (a != _bytes(sv(0, 0, 0, R, C, kind="weight", dtype=torch.float8_e4m3fn))).sum() == 0
 
 
-@pytest.mark.parametrize("fmt,fused", [("fp8_block", False), ("fp8_channel", False), ("bf16", False), ("bf16", True)])
+@pytest.mark.parametrize("fmt,fused", [("fp8_block", False), ("fp8_channel", False), ("fp8_tensor", False),
+                                       ("bf16", False), ("bf16", True)])
 def test_stored_values_are_synthetic_values(make_ckpt, fmt, fused):
     H, I = 320, 256
     root = make_ckpt(family="qwen3_5_moe", fmt=fmt, fused=fused, num_layers=2, num_experts=4, hidden=H, intermediate=I,
@@ -94,10 +95,18 @@ def test_stored_values_are_synthetic_values(make_ckpt, fmt, fused):
         s = get(f"{stem}.3.down_proj.weight_scale_inv")
         assert s.dtype == torch.float16 and s.shape == (math.ceil(H / 128), I // 128)
         assert torch.equal(s, sv(1, 3, 2, *grid(3, 2), "scale", torch.float16, seed=3))
-    if fmt == "fp8_channel":
+    cfg = json.loads((root / "config.json").read_text())
+    if fmt == "fp8_channel":  # per-channel FP8 ships as compressed-tensors
         s = get(f"{stem}.0.gate_proj.weight_scale")
         assert s.shape == (I, 1) and torch.equal(s, sv(1, 0, 0, *grid(I, 1), "scale", torch.float16, seed=3))
-    cfg = json.loads((root / "config.json").read_text())
+        weights = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
+        assert cfg["quantization_config"]["quant_method"] == "compressed-tensors" and weights["strategy"] == "channel"
+    if fmt == "fp8_tensor":  # the fp8 method without weight_block_size: one scalar scale per tensor
+        s = get(f"{stem}.1.up_proj.weight_scale")
+        zero = torch.zeros((), dtype=torch.int64)
+        assert s.shape == () and torch.equal(s, sv(1, 1, 1, zero, zero, "scale", torch.float16, seed=3))
+        assert cfg["quantization_config"] == {**cfg["quantization_config"], "quant_method": "fp8"}
+        assert "weight_block_size" not in cfg["quantization_config"]
     assert cfg["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and cfg["text_config"]["num_experts"] == 4
 
 
@@ -131,3 +140,18 @@ def test_cli_make_checkpoint(tmp_path):
 
     res = CliRunner().invoke(main, ["make-checkpoint", "--help"])
     assert res.exit_code == 0 and "Example:" in res.output
+
+
+def test_make_checkpoint_formats_from_the_cli(tmp_path):
+    from moetrace.checkpoints.reader import open_checkpoint
+
+    run = CliRunner().invoke
+    args = ["make-checkpoint", "--layers", "1", "--experts", "2", "--hidden", "64", "--intermediate", "128", "--files", "1"]
+    assert run(main, args + ["--quant-method", "compressed-tensors", "--block", "64,32", "-o", str(tmp_path / "ct")]).exit_code == 0
+    s = open_checkpoint(tmp_path / "ct").spec
+    assert (s.fmt, s.block, s.quant_method, s.scale_suffix) == ("fp8_block", (64, 32), "compressed-tensors", "weight_scale")
+    assert run(main, args + ["--format", "fp8_tensor", "-o", str(tmp_path / "pt")]).exit_code == 0
+    assert open_checkpoint(tmp_path / "pt").spec.fmt == "fp8_tensor"
+    bad = run(main, args + ["--format", "fp8_channel", "--quant-method", "fp8", "-o", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "fp8 without weight_block_size means per-tensor scales" in bad.output
+    assert run(main, args + ["--block", "a,b", "-o", str(tmp_path / "y")]).exit_code == 2

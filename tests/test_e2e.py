@@ -82,6 +82,10 @@ def test_demo_command_json(demo_run):
     assert demo_run.returncode == 0, demo_run.stderr
     s = demo_run.summary
     assert s["race_found"] and s["fix_validated"]
+    if os.environ.get("MOETRACE_REQUIRE_FORK") == "1":  # make test: the staged loads were the fork's own code
+        assert s["transport"] == "fork" and s["staged_by"].startswith("sglang-kt 0.7.2's own SharedFullContext")
+    else:
+        assert s["transport"] in ("fork", "emulator") and s["staged_by"]
     unf, fen = s["runs"]["unfenced"], s["runs"]["fenced"]
     assert "(E+2)" in unf["first_divergence"][0] and unf["audit_exit_code"] == 1
     assert fen["audit_exit_code"] == 0 and fen["first_divergence"] == []

@@ -3,7 +3,6 @@ KT staged loads, faults, hook-spec and launch."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -27,6 +26,7 @@ from moetrace.hooks.launch import Launcher, build_command, expected_tp
 from moetrace.hooks.server import LEGACY_CUDA_GRAPH_FLAGS, SPLIT_CUDA_GRAPH_FLAGS, cuda_graph_flags_for, server_distribution
 from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec
 from moetrace.tracer.manifest import read_manifests
+from support.sglang_source import load_hook_manager
 from support.traces import read_rows as read_trace
 
 CKPT = dict(num_layers=2, num_experts=8, hidden=128, intermediate=256, seed=3)
@@ -34,19 +34,6 @@ NAMES = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv
 
 
 # ----------------------------------------------------------------- helpers
-
-
-def load_hook_manager():
-    """SGLang's own hook_manager.py from the installed wheel (importing the
-    sglang package pulls GPU-only deps, so load the file itself)."""
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or spec.origin is None:
-        pytest.skip("sglang wheel not installed (make venv installs it with --no-deps)")
-    path = Path(spec.origin).parent / "srt" / "model_executor" / "hook_manager.py"
-    mod_spec = importlib.util.spec_from_file_location("sglang_hook_manager_under_test", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
 
 
 class FakeFusedMoE(nn.Module):
@@ -232,10 +219,11 @@ def test_tp2_gloo_two_processes(make_ckpt, index, tmp_path):
 
 
 class FakeSharedFullContext:
-    """Stands in for the KT fork's SharedFullContext: ``load`` stages every expert of
-    a layer into ``gpu_layer`` in CPU-expert order, double-buffered. race=True
-    reproduces the bug: the last tensor copied (w2 scale) of expert idx holds
-    the bytes of the expert two places later in the order (E+2)."""
+    """Stands in for the KT fork's SharedFullContext: ``load`` stages the experts of
+    a layer into ``gpu_layer`` double-buffered, as the fork dispatches them: FP8
+    passes original_layer=None (every expert staged, id order), BF16 copies the
+    GPU-mask experts first. race=True reproduces the bug: the last tensor copied
+    (w2 scale) of expert idx holds the bytes of the expert two places later (E+2)."""
 
     def __init__(self, host_layers: dict, race=False):
         self.host = host_layers  # layer -> {name: [E, ...]}
@@ -246,6 +234,8 @@ class FakeSharedFullContext:
     def load(self, layer_idx, wrapper, original_layer=None, gpu_experts_mask=None, logical_to_gpu_index=None):
         src = self.host[layer_idx]
         n = src["w13_weight"].shape[0]
+        if "w13_weight_scale_inv" in src or "w13_weight_scale" in src:
+            original_layer = None  # sglang-kt 0.7.2 SharedFullContext.load, FP8 block and channel
         use_mask = gpu_experts_mask is not None and original_layer is not None and logical_to_gpu_index is not None
         cpu = [e for e in range(n) if not (use_mask and bool(gpu_experts_mask[e]))]
         with torch.no_grad():
@@ -270,6 +260,27 @@ def test_transport_positions_from_each_load_signature():
            "gpu_indices_t": torch.tensor([0])}
     assert transport_positions(4, ids) == ([1, 2, GPU_COPIED, 0], "cpu-expert-order")
     assert transport_positions(2, {"original_layer": None}) == ([0, 1], "expert-index")
+    masked = {"layer_idx": 0, "original_layer": object(), "gpu_experts_mask": mask, "logical_to_gpu_index": torch.arange(5)}
+    # The fork stages every FP8 expert whatever the mask (load passes original_layer=None);
+    # BF16 keeps the resident-first copy.
+    assert transport_positions(5, masked, "fp8_block") == ([0, 1, 2, 3, 4], "all-staged")
+    assert transport_positions(5, masked, "fp8_channel") == ([0, 1, 2, 3, 4], "all-staged")
+    assert transport_positions(5, masked, "bf16") == ([-1, 0, 1, -1, 2], "cpu-expert-order")
+
+
+def test_staged_format_from_tensors_and_fork_flags():
+    from types import SimpleNamespace
+
+    from moetrace.hooks.kt import staged_format
+
+    plain = SimpleNamespace()
+    assert staged_format(plain, {"w13_weight": 0, "w13_weight_scale_inv": 0}) == "fp8_block"
+    assert staged_format(plain, {"w13_weight": 0, "w13_weight_scale": 0}) == "fp8_channel"
+    assert staged_format(plain, {"w13_weight": 0, "w2_weight": 0}) == "bf16"
+    mxfp4 = SimpleNamespace(_is_mxfp4_quant=True)  # FP8-block names, other bytes: the fork's flag wins
+    assert staged_format(mxfp4, {"w13_weight": 0, "w13_weight_scale_inv": 0}) == "mxfp4"
+    int4 = SimpleNamespace(_is_mxfp4_quant=False, _is_fp8_quant=False, _is_bf16_quant=False)  # load()'s fall-through
+    assert staged_format(int4, {"w13_weight_scale": 0, "w2_weight_scale": 0}) == "int4"
 
 
 def test_kt_staged_load_capture_via_factory(make_ckpt, index, tmp_path, monkeypatch):
@@ -319,11 +330,11 @@ def test_kt_staged_load_capture_via_factory(make_ckpt, index, tmp_path, monkeypa
     resident = [r for r in t if r["source"] == "resident"]
     assert len(staged) == len(resident) == 2 * 2 * 8 * 4
     assert {(r["step"], r["layer"]) for r in staged} == {(r["step"], r["layer"]) for r in resident}
-    cpu_order = [e for e in range(8) if e not in (2, 6)]
+    cpu_order = list(range(8))  # FP8: the GPU mask given to load changes nothing, every expert is staged
     orders = {r["expert"]: r["transport_position"] for r in staged}
-    assert orders == {e: (cpu_order.index(e) if e in cpu_order else -1) for e in range(8)}
+    assert orders == {e: e for e in range(8)}
     bad = {(r["expert"], r["tensor"]) for r in staged if r["online"] == "mismatch"}
-    # every CPU expert but the last two of the order got E+2's scale
+    # every expert but the last two of the order got E+2's scale
     assert bad == {(e, "w2_weight_scale_inv") for e in cpu_order[:-2]}
     want = index_fps(idx)
     for r in staged:

@@ -38,11 +38,21 @@ def test_ci_runs_the_readme_test_command():
 def test_hook_import_is_light():
     code = (
         "import sys; import moetrace.hooks.sglang_hook, moetrace.tracer.capture; "
-        "heavy = [m for m in ('sglang', 'pandas', 'matplotlib', 'safetensors', 'click') if m in sys.modules]; "
+        "heavy = [m for m in ('sglang', 'pandas', 'matplotlib', 'safetensors', 'click', 'prometheus_client') "
+        "if m in sys.modules]; "
         "print(','.join(heavy))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"importing the hook pulls {out}"
+
+
+def test_guard_extra_is_optional():
+    """prometheus-client is the guard's extra (and the tests'), never a dependency."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.lower().startswith("prometheus")]
+    extras = project["optional-dependencies"]
+    assert [d for d in extras["guard"] if d.startswith("prometheus-client")]
+    assert [d for d in extras["test"] if d.startswith("prometheus-client")]
 
 
 def test_wheel_holds_the_package_and_no_scaffolding(tmp_path):

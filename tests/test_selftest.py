@@ -30,6 +30,8 @@ def test_selftest_cpu_quick_passes(gpu_script_dry_run):
     assert proofs["fingerprint"]["ok"] and proofs["fingerprint"]["data"]["cases"] > 40
     assert proofs["detector"]["ok"] and "(E+2)" in proofs["detector"]["detail"]
     assert proofs["detector"]["data"]["unfenced_exit"] == 1 and proofs["detector"]["data"]["fenced_exit"] == 0
+    if os.environ.get("MOETRACE_REQUIRE_FORK") == "1":  # make test: the proof ran the fork's own staging code
+        assert proofs["detector"]["data"]["transport"] == "fork" and "sglang-kt 0.7.2" in proofs["detector"]["detail"]
     data = proofs["throughput"]["data"]
     for key in ("fingerprint_vs_copy", "fingerprint_vs_sha256_host", "capture_vs_load_copies"):
         assert data[key] > 0
@@ -92,3 +94,15 @@ def test_gpu_script_dry_run(gpu_script_dry_run):
     steps = (out / "steps.txt").read_text().split("\n")
     assert all(" rc=0 " in line for line in steps if line), steps
     assert "| selftest | exit 0" in run["stdout"] and "fingerprint_all_cores" in run["stdout"]
+
+
+def test_detector_checks_the_guard_against_the_analysis(demo_run):
+    """The detector proof also judges the in-server guard: on the demo pair it agrees with
+    the analysis; with the runs' guard records swapped (a guard blind to the race) it fails."""
+    unf, fen = _demo_reports(demo_run)
+    guards = demo_run.summary["runs"]["unfenced"]["guard"], demo_run.summary["runs"]["fenced"]["guard"]
+    res = demo.judge_detector(unf, fen, guards)
+    assert res["ok"] and "in-server guard agrees" in res["detail"], res
+    res = demo.judge_detector(unf, fen, guards[::-1])
+    assert not res["ok"] and "the guard counted 0 mismatching tensors" in res["detail"]
+    assert "the guard on fenced rank 1 is not clean" in res["detail"]

@@ -27,8 +27,8 @@ from moetrace.analysis.report import analyze
 from moetrace.checkpoints.index import INDEX_META_KEY, read_index, write_index
 from moetrace.checkpoints.index_build import build_index
 from moetrace.tracer.manifest import read_manifests
-from support import sglang_parts as sp
 from support import traces as st
+from support.sglang_source import fork_root, installed_root, load_hook_manager
 from support.slots_server import E, NEW_ROW, OLD_ROW
 
 CKPT = dict(num_layers=4, num_experts=E, hidden=128, intermediate=256, shared_expert=True, draft=True, seed=5)
@@ -36,7 +36,7 @@ CKPT = dict(num_layers=4, num_experts=E, hidden=128, intermediate=256, shared_ex
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> dict:
-    if sp.installed_root() is None or sp.fork_root() is None:
+    if installed_root("sglang") is None or fork_root() is None:
         pytest.skip("sglang 0.5.23 and sglang-kt 0.7.2 (side folder) are needed: make venv installs both")
 
     def run(folder: Path) -> dict:
@@ -197,6 +197,12 @@ def test_a_second_process_with_one_identity_is_refused(make_ckpt, tmp_path, capl
     rep = analyze([str(tmp_path / "dup")], index=model.write_index(str(tmp_path / "i.parquet")))
     assert rep.exit_code == 2 and any("was refused: rank 0 already belonged to pid" in x for x in rep.doc["incomplete"])
     assert json.loads((tmp_path / "dup" / "rank=0" / "_manifest.json").read_text())["finished"]  # untouched
+    # an owner of an earlier launch under the same run id (another run_nonce) is said as such
+    claim.write_text(json.dumps({**owner, "pid": owner["pid"] + 2, "run_nonce": "a" * 32}))
+    cfg = {"out": str(tmp_path), "run_id": "dup", "tp_rank": 0, "tp_size": 1, "run_nonce": "b" * 32}
+    assert sglang_hook.make_hook(cfg) is None and "of an earlier launch of run id 'dup'" in caplog.text
+    rep = analyze([str(tmp_path / "dup")], index=str(tmp_path / "i.parquet"))
+    assert any("(a process of an earlier launch under the same run id; " in x for x in rep.doc["incomplete"])
 
 
 def test_replica_and_stage_detection(monkeypatch):
@@ -230,7 +236,7 @@ def test_hook_manager_pass_counter_and_layer_order_fallback(make_ckpt, tmp_path)
     model.model._worker_forward_pass_id = -1  # the newer hook manager's tracker on model.model
     spec = [{"name": "m", "target_modules": ["model.layers.*.mlp.experts"], "hook_factory": sglang_hook.__name__ + ":make_hook",
              "config": {"out": str(tmp_path), "run_id": "hm", "tp_rank": 0, "tp_size": 1}}]
-    sp.hook_manager().register_forward_hooks(model, spec)
+    load_hook_manager().register_forward_hooks(model, spec)
     for pass_id in (40, 41):  # a server that had run passes before tracing saw any
         model.model._worker_forward_pass_id = pass_id
         model(torch.zeros(2))
@@ -245,17 +251,18 @@ def test_hook_manager_pass_counter_and_layer_order_fallback(make_ckpt, tmp_path)
 
 
 def test_launch_flags_by_distribution_and_help(tmp_path):
+    from moetrace.hooks.launch import Launcher
     from moetrace.hooks.server import (LEGACY_CUDA_GRAPH_FLAGS, SPLIT_CUDA_GRAPH_FLAGS, cuda_graph_flags_for,
-                                       server_distribution)
+                                       invokes_sglang, server_distribution)
 
-    fork = sp.fork_root()
+    fork = fork_root()
     assert server_distribution() == ("sglang", "0.5.23")
     if fork is not None:
-        assert server_distribution([str(fork.parent)]) == ("sglang-kt", "0.7.2")
-        fork_args = (fork / "srt" / "server_args.py").read_text()
+        assert server_distribution([str(fork)]) == ("sglang-kt", "0.7.2")
+        fork_args = (fork / "sglang" / "srt" / "server_args.py").read_text()
         assert '"--disable-cuda-graph"' in fork_args and "disable-prefill-cuda-graph" not in fork_args
     # the facts the choice rests on, in the installed 0.5.23: split fields, the legacy spelling deprecated
-    up = sp.installed_root() / "srt"
+    up = installed_root("sglang") / "sglang" / "srt"
     assert "disable_prefill_cuda_graph: A[" in (up / "arg_groups" / "fields" / "exec_.py").read_text()
     assert '"--disable-cuda-graph",\n            action=DeprecatedStoreTrueAction' in (up / "server_args.py").read_text()
     never = ["/nonexistent/server"]  # the fork's distribution decides without asking the command
@@ -272,3 +279,47 @@ def test_launch_flags_by_distribution_and_help(tmp_path):
     assert cuda_graph_flags_for([sys.executable, str(legacy)], "auto", sglang) == (LEGACY_CUDA_GRAPH_FLAGS, "help")
     assert cuda_graph_flags_for(never, "auto", sglang) == (LEGACY_CUDA_GRAPH_FLAGS, "default")
     assert cuda_graph_flags_for(never, "split") == (SPLIT_CUDA_GRAPH_FLAGS, "option")
+    # the launcher probes only a command that starts SGLang itself; another one (which may
+    # ignore --help and serve) gets the legacy flag, and only once the launch is accepted
+    assert invokes_sglang([sys.executable, "-m", "sglang.launch_server", "--tp", "2"]) and invokes_sglang(["sglang", "serve"])
+    assert not invokes_sglang([sys.executable, str(split), "--tp", "2"])
+    lch = Launcher([sys.executable, "-c", "pass"], {"out": str(tmp_path / "t"), "run_id": "F"}, echo=lambda m: None)
+    assert lch.flags is None and lch.run() == 0
+    assert (lch.flags, lch.flags_source) == (LEGACY_CUDA_GRAPH_FLAGS, "default") and lch.cmd[-1] == LEGACY_CUDA_GRAPH_FLAGS[0]
+    run = json.loads((tmp_path / "t" / "F" / "_run.json").read_text())
+    assert run["cuda_graph_flags_source"] == "default" and run["command"] == lch.cmd
+
+
+def test_guard_verifies_eplb_slots_and_the_draft_by_model(server, tmp_path):
+    """The in-server guard reads the rows of its moe_tp_rank: EPLB slots (a redundant copy
+    included) match, a pass over every layer's held slots is full coverage, and the draft's
+    layer 0 is compared with the draft's rows, never the target's layer 0."""
+    from moetrace.checkpoints.extra import draft_checkpoint
+    from moetrace.checkpoints.reader import open_checkpoint
+    from moetrace.checkpoints.shards import Parallel, expected_experts
+    from moetrace.tracer.capture import Tracer
+    from moetrace.tracer.config import TraceConfig
+
+    ckpt = open_checkpoint(server["ckpt"])
+    draft = draft_checkpoint(ckpt)[0]
+    held = OLD_ROW[:5]  # rank 0 of EP2: logical 0-3 and a redundant copy of 0
+    shards = {L: expected_experts(ckpt, L, 0, Parallel(2, 2)) for L in range(4)}
+    draft0 = expected_experts(draft, 0, 0, Parallel(2, 2))
+    conf = TraceConfig.from_dict({"out": str(tmp_path), "run_id": "g", "index": server["ep2"], "guard": "record",
+                                  "flush_interval_s": 0.2})
+    tr = Tracer(conf, 0, 2)
+    try:
+        for L in range(4):
+            tr.capture({k: v[held] for k, v in shards[L].items()}, layer=L, source="resident", step=0, experts=held,
+                       copies=_copies(held), slot_count=5)
+        tr.capture({k: v[:5] for k, v in draft0.items()}, layer=0, source="resident", step=0, experts=range(5),
+                   model="draft", slot_count=5)
+        g = tr.sink.manifest()["guard"]
+        assert g["tensors"]["mismatch"] == 0 and g["tensors"]["match"] == 4 * 4 * 5 + 4 * 5
+        assert g["coverage"] == {"resident": 1.0}
+        tr.capture({k: v[:5] for k, v in shards[0].items()}, layer=0, source="resident", step=1, experts=range(5),
+                   model="draft", slot_count=5)  # the target's layer 0 where the draft's belongs
+        g = tr.sink.manifest()["guard"]
+        assert g["tensors"]["mismatch"] == 4 * 5 and g["mismatches"][0]["model"] == "draft"
+    finally:
+        tr.close()

@@ -14,6 +14,41 @@ from moetrace.fingerprint import Fingerprint
 from moetrace.schema import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RankIdentity, copy_position
 
 
+@dataclass(frozen=True)
+class CaptureEvent:
+    """What every tensor of one capture event shares (one staged load, one forward)."""
+
+    ranks: RankIdentity
+    step: int
+    source: str  # "resident" | "staged"
+    capture_seq: int
+    layer: int
+    experts: list[int]  # logical ids the server's map gives the slots, one per captured row
+    slots: list[int]  # slot in the stacked param, per row
+    positions: list[int]  # transport_position per row
+    time_ns: int
+    model: str = "target"  # schema.MODELS
+    copies: list[int] | None = None  # expert_copy per row (None: all 0)
+    slot_count: int | None = None  # slots of the capture event (None: the rows)
+
+    @property
+    def where(self) -> tuple[str, int]:
+        """(model, layer): a draft's layer 0 is not the target's."""
+        return self.model, self.layer
+
+
+@dataclass
+class CapturedTensor:
+    """One parameter of a capture event, ready to fingerprint (or already known)."""
+
+    name: str
+    data: torch.Tensor  # [rows, ...]: the captured experts only (when fingerprinted)
+    nbytes: int  # per row
+    rows: torch.Tensor  # uint8 [rows, nbytes] view of data
+    key: object | None  # tracer.unchanged.WeightsKey: the parameter provably unchanged while equal
+    fps: list[Fingerprint] | None  # reused fingerprints (unchanged resident weights)
+
+
 @dataclass
 class CaptureBatch:
     """All captured experts of one parameter in one capture event."""

@@ -24,7 +24,7 @@ from moetrace.tracer.config import TraceConfig
 from moetrace.fingerprint import finalize, row_bytes, row_lanes
 from moetrace.tracer.online import MISMATCH, OnlineIndex
 from moetrace.schema import TENSOR_NAMES, RankIdentity, dtype_name
-from moetrace.tracer.batch import CaptureBatch
+from moetrace.tracer.batch import CaptureBatch, CaptureEvent, CapturedTensor
 from moetrace.tracer.sink import TraceSink
 from moetrace.tracer.unchanged import ResidentCache, weights_key
 from moetrace.tracer.steps import step_counter
@@ -72,9 +72,10 @@ class Tracer:
         self.resident = ResidentCache()  # unchanged resident weights: fingerprinted once per version
         self.fingerprinted = 0  # tensors whose lanes were computed (any source)
         self._logged: set[str] = set()
+        self._layouts: dict[str, dict] = {}
         self._ranks_reported = False
         self.verifier, index_error = None, None
-        if config.index:
+        if config.index and not config.guard:  # the guard reads the index itself, onto the device
             try:
                 self.verifier = OnlineIndex(config.index)
             except Exception as err:  # trace anyway; the manifest says verification is off
@@ -107,6 +108,13 @@ class Tracer:
         if index_error:
             self.sink.record_error("sink", index_error)
             log.error("moetrace: %s", index_error)
+        self.guard = None
+        if config.guard:
+            from moetrace.tracer.guard import Guard  # prometheus-client and the device tables: guard only
+
+            self.guard = Guard(config, self.tp_rank, self.tp_size, self.sink, self.sink.counters)
+            if self.guard.expectation is not None and checkpoint_id is None:
+                self.sink.update(checkpoint_id=self.guard.expectation.checkpoint_id)
         if self.verifier is not None and not len(self.verifier):
             self.sink.note(f"index {config.index} has no rows: nothing is verified online")
         self._sync_verify = self.verifier is not None and config.dump_max_count > 0
@@ -208,49 +216,63 @@ class Tracer:
         with self._lock:
             seq = self._capture_seq
             self._capture_seq += 1
-        t_ns = time.time_ns()
+        event = CaptureEvent(ranks, step, source, seq, int(layer), experts, slots, positions, time.time_ns(),
+                             model=model, copies=copies, slot_count=slot_count)
+        items = [self._tensor(event, name, t, epoch) for name, t in tensors.items()
+                 if name in TENSOR_NAMES and self.sampling.want_tensor(name)]
+        if self.guard is not None:
+            return self.guard.check(self, event, items)
         submitted = 0
-        for name, t in tensors.items():
-            if name not in TENSOR_NAMES or not self.sampling.want_tensor(name):
-                continue
-            key = weights_key(t, (*slots, -1, *experts), epoch)  # the slot map: which slots, holding which experts
-            where = (model, int(layer))  # a draft's layer 0 is not the target's
-            fps = self.resident.lookup(where, name, key)
-            data = t.detach()
-            if fps is None:  # not provably unchanged: fingerprint it
-                if len(slots) != data.shape[0] or slots != list(range(data.shape[0])):
-                    data = data.index_select(0, torch.as_tensor(slots, device=data.device))
-                rows = row_bytes(data)
-                nbytes, (lanes, ready) = int(rows.shape[1]), self._lanes(rows)
+        for it in items:
+            if it.fps is None:
                 self.fingerprinted += 1
+                lanes, ready = self.host_lanes(row_lanes(it.rows))
             else:
-                nbytes, lanes, ready = fps[0].nbytes, None, None
+                lanes, ready = None, None
                 self.sink.update(resident_reused=self.resident.reused)
-            batch = CaptureBatch(
-                ranks=ranks, step=step, source=source, capture_seq=seq, layer=int(layer), tensor=name,
-                dtype=dtype_name(data.dtype), shape=list(data.shape[1:]), nbytes=nbytes,
-                experts=experts, slots=slots, positions=positions, time_ns=t_ns,
-                lanes=lanes, ready=ready, fps=fps, model=model, copies=copies, slot_count=slot_count,
-            )
-            if fps is None:
+            batch = self.batch(event, it, lanes, ready, it.fps)
+            if it.fps is None:
                 if source == "resident":
-                    batch.on_folded = self.resident.remember(where, name, key)
+                    batch.on_folded = self.resident.remember(event.where, it.name, it.key)
                 if self._sync_verify:
-                    self._verify_now(batch, data)
+                    self._verify_now(batch, it.data)
             if self.sink.submit(batch):
                 submitted += batch.n_rows
         return submitted
 
-    def _lanes(self, rows: torch.Tensor):
-        if rows.device.type == "cpu":
-            return row_lanes(rows), None
-        dev = row_lanes(rows)  # one fused kernel (Triton) or one int8 GEMM for all experts
-        if rows.device.type != "cuda":
+    def _tensor(self, event: CaptureEvent, name: str, t: torch.Tensor, epoch) -> CapturedTensor:
+        """One parameter: its reused fingerprints when provably unchanged, else its rows to fingerprint."""
+        slots = event.slots
+        key = weights_key(t, (*slots, -1, *event.experts), epoch)  # the slot map: which slots, holding which experts
+        fps = self.resident.lookup(event.where, name, key)  # a draft's layer 0 is not the target's
+        data = t.detach()
+        if len(slots) != data.shape[0] or slots != list(range(data.shape[0])):
+            data = data.index_select(0, torch.as_tensor(slots, device=data.device))
+        rows = row_bytes(data)  # a view of a contiguous parameter: nothing is read unless fingerprinted
+        return CapturedTensor(name, data, int(rows.shape[1]), rows, key, fps)
+
+    def batch(self, event: CaptureEvent, it: CapturedTensor, lanes, ready, fps, rows: list[int] | None = None
+              ) -> CaptureBatch:
+        """The trace rows of one tensor of an event (``rows``: only these captured rows)."""
+        pick = (lambda v: v) if rows is None else (lambda v: [v[i] for i in rows])
+        return CaptureBatch(
+            ranks=event.ranks, step=event.step, source=event.source, capture_seq=event.capture_seq,
+            layer=event.layer, tensor=it.name, dtype=dtype_name(it.data.dtype), shape=list(it.data.shape[1:]),
+            nbytes=it.nbytes, experts=pick(event.experts), slots=pick(event.slots),
+            positions=pick(event.positions), time_ns=event.time_ns, lanes=lanes, ready=ready, fps=fps,
+            model=event.model, copies=pick(event.copies), slot_count=event.slot_count,
+        )
+
+    def host_lanes(self, dev):
+        """Device lanes -> (host lanes, event to wait on): one small non-blocking D2H, no sync."""
+        if dev.device.type == "cpu":
+            return dev, None
+        if dev.device.type != "cuda":
             return dev.cpu(), None
         host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
         host.copy_(dev, non_blocking=True)  # one small D2H per param; no sync in the hook
         ready = torch.cuda.Event(blocking=True)  # the writer thread sleeps, not spins, while it waits
-        ready.record(torch.cuda.current_stream(rows.device))
+        ready.record(torch.cuda.current_stream(dev.device))
         return host, ready
 
     def _verify_now(self, b: CaptureBatch, data: torch.Tensor) -> None:
@@ -282,6 +304,15 @@ class Tracer:
         if limit is not None and n >= limit and self.enabled:
             self.disable(f"{n} hook errors (max_hook_errors={limit})")
 
+    def record_layout(self, source: str, layer: int, facts: dict, model: str = "target") -> None:
+        """Keep a layer's layout facts in the manifest under "<source>:<model>:<layer>" (only
+        when they change: the facts are read at every capture, written once per layer
+        unless the server changes them)."""
+        key = f"{source}:{model}:{int(layer)}"
+        if self._layouts.get(key) != facts:
+            self._layouts[key] = facts
+            self.sink.set_layout(key, facts)
+
     def note_once(self, message: str) -> None:
         if message not in self._logged:
             self._logged.add(message)
@@ -291,6 +322,8 @@ class Tracer:
     def disable(self, reason: str) -> None:
         self.enabled = False
         self.disabled_reason = reason
+        if self.guard is not None:  # a guard that stopped looking must not keep saying ok
+            self.guard.stopped(f"tracing disabled: {reason}")
         self.sink.update(disabled=True, disabled_reason=reason)
         log.warning("moetrace: tracing disabled on rank %s: %s", self.sink.label, reason)
         self.sink.close(f"disabled: {reason}", wait=False)
@@ -306,4 +339,6 @@ class Tracer:
     def close(self, reason: str = "close", timeout: float | None = None) -> bool:
         with self._event_lock:
             self.enabled = False
+        if self.guard is not None:
+            self.guard.close()
         return self.sink.close(reason, timeout=self.config.close_timeout_s if timeout is None else timeout)

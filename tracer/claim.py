@@ -18,7 +18,7 @@ import pyarrow.fs as pafs
 
 from moetrace import storage
 from moetrace.errors import MoetraceError
-from moetrace.tracer.manifest import REFUSED_PREFIX
+from moetrace.tracer.manifest import REFUSED_PREFIX, another_launch
 
 CLAIM_NAME = "_claim.json"
 
@@ -40,11 +40,14 @@ def _create_exclusive(fs: pafs.FileSystem, path: str, data: bytes) -> None:
     storage.write_atomic(fs, path, data)
 
 
-def claim_rank_dir(fs: pafs.FileSystem, run_dir: str, rank_dir: str, label: str, run_id: str, started_at: str) -> None:
+def claim_rank_dir(fs: pafs.FileSystem, run_dir: str, rank_dir: str, label: str, run_id: str, started_at: str,
+                   run_nonce: str | None = None) -> None:
     """Claim the rank folder for this process, or refuse (MoetraceError) after leaving a
-    refusal record in the run folder. The same process may claim its folder again."""
-    me = {"run_id": run_id, "rank_label": label, "host": socket.gethostname(), "pid": os.getpid(),
-          "started_at": started_at}
+    refusal record in the run folder. The same process may claim its folder again.
+    ``run_nonce``: the launch's (issue 13); an owner with another one is an earlier
+    launch under the same run id, which `moetrace launch` itself refuses or --replace clears."""
+    me = {"run_id": run_id, "run_nonce": run_nonce, "rank_label": label, "host": socket.gethostname(),
+          "pid": os.getpid(), "started_at": started_at}
     path = storage.join(rank_dir, CLAIM_NAME)
     try:
         _create_exclusive(fs, path, (json.dumps(me, indent=2) + "\n").encode())
@@ -62,9 +65,14 @@ def claim_rank_dir(fs: pafs.FileSystem, run_dir: str, rank_dir: str, label: str,
         storage.write_json(fs, storage.join(run_dir, f"{REFUSED_PREFIX}{me['host']}-{me['pid']}.json"), refusal)
     except Exception:
         pass  # the error below still says it
+    whose = f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')} (since {owner.get('started_at', '?')})"
+    if another_launch(owner, me):
+        raise MoetraceError(
+            f"trace folder {rank_dir} already belongs to {whose} of an earlier launch of run id {run_id!r} (another "
+            f"run_nonce); this process (pid {me['pid']}) is not traced. A run id names one launch: use a new run id "
+            "(or `moetrace launch --replace`)")
     raise MoetraceError(
-        f"trace folder {rank_dir} already belongs to pid {owner.get('pid', '?')} on host {owner.get('host', '?')} "
-        f"(since {owner.get('started_at', '?')}): two processes identify as rank {label}; this one (pid {me['pid']}) "
-        "is not traced. Data-parallel replicas need distinct replica ids (SGLANG_DP_RANK or hook config 'replica'), "
-        "a restarted server a new run id"
+        f"trace folder {rank_dir} already belongs to {whose}: two processes identify as rank {label}; this one "
+        f"(pid {me['pid']}) is not traced. Data-parallel replicas need distinct replica ids (SGLANG_DP_RANK or hook "
+        "config 'replica'), a restarted server a new run id"
     )

@@ -18,12 +18,19 @@ from moetrace.tracer.sampling import Sampling
 
 CHUNK_FP_MODES = ("all", "mismatch", "none")
 KT_MODES = ("auto", True, False)
+GUARD_ACTIONS = ("record", "alert", "fail-closed")  # what the guard does on a mismatch (docs/guard.md)
+GUARD_ROWS = ("mismatch", "all")  # which guarded rows reach the trace
 _SAMPLING_KEYS = ("layers", "experts", "tensors", "sources", "every_n_steps", "first_n_steps")
 
 
 def new_run_id() -> str:
     """Sortable, unique enough: 20250101-120000-<6 hex>."""
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def new_run_nonce() -> str:
+    """What tells two launches with the same run id apart: fresh for every hook spec."""
+    return uuid.uuid4().hex
 
 
 def default_run_id() -> str:
@@ -39,6 +46,7 @@ def default_run_id() -> str:
 class TraceConfig:
     out: str  # local folder or pyarrow/fsspec URL (file://, s3://, gs://, hdfs://)
     run_id: str = ""
+    run_nonce: str | None = None  # the launch's identity (hooks.spec sets a fresh one); recorded in every manifest
     checkpoint_id: str | None = None
     sampling: Sampling = field(default_factory=Sampling)
     chunk_digests: str = "all"  # which rows carry chunk fingerprints: all | mismatch | none
@@ -61,6 +69,10 @@ class TraceConfig:
     cpu_threads: bool = True  # fingerprint CPU tensors on all cores
     resident_cache: bool = True  # reuse the fingerprints of provably unchanged resident weights
     close_timeout_s: float = 30.0
+    guard: str | None = None  # verify on the device after every load: record | alert | fail-closed (needs index)
+    guard_rows: str = "mismatch"  # guarded captures write rows for mismatches only, or all rows
+    update_index_dir: str | None = None  # indexes of checkpoints a weight update from disk may load
+    metrics_port: int | None = None  # moetrace's own /metrics on 127.0.0.1:port+tp_rank (0: any free port)
 
     @classmethod
     def from_dict(cls, cfg: dict | None) -> "TraceConfig":
@@ -110,11 +122,27 @@ class TraceConfig:
             raise MoetraceError("chunk_digests=mismatch needs an index (online verification) to know what mismatches")
         if self.dump_max_count and not self.index:
             raise MoetraceError("dump_max_count > 0 needs an index (online verification) to know what mismatches")
+        self._check_guard()
         run_id = self.run_id or default_run_id()
         if "/" in run_id or run_id in (".", ".."):
             raise MoetraceError(f"run_id: {run_id!r} must be a single path component")
         object.__setattr__(self, "run_id", run_id)
         return self
+
+    def _check_guard(self) -> None:
+        if self.guard is not None and self.guard not in GUARD_ACTIONS:
+            raise MoetraceError(f"guard: {self.guard!r}; expected one of {list(GUARD_ACTIONS)} or null (off)")
+        if self.guard_rows not in GUARD_ROWS:
+            raise MoetraceError(f"guard_rows: {self.guard_rows!r}; expected one of {list(GUARD_ROWS)}")
+        if self.guard and not self.index:
+            raise MoetraceError("guard needs an index (the expected digests it verifies against): give --index")
+        if self.metrics_port is not None and (isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
+                                              or not 0 <= self.metrics_port <= 65535):
+            raise MoetraceError(f"metrics_port: {self.metrics_port!r}; expected a port number 0-65535 or null")
+        if self.metrics_port is not None and not self.guard:
+            raise MoetraceError("metrics_port: the metrics are the guard's; give guard (record, alert or fail-closed)")
+        if self.update_index_dir is not None and not self.guard:
+            raise MoetraceError("update_index_dir: only the guard re-verifies after weight updates; give guard")
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -19,8 +19,15 @@ from importlib import metadata
 from moetrace import __version__, storage
 from moetrace.fingerprint import CHUNK_BYTES, FP_VERSION
 from moetrace.schema import MANIFEST_SCHEMA_VERSION, TRACE_SCHEMA_VERSION, parse_rank_label, rank_label
+from moetrace.tracer.manifest_fields import (  # noqa: F401 (the side files' schema, read through here)
+    RANK_MANIFEST_FIELDS,
+    RUN_MANIFEST_FIELDS,
+    check_rank_manifest,
+    check_run_manifest,
+)
 
 MANIFEST_NAME = "_manifest.json"
+LAYOUT_SCHEMA_VERSION = 1  # the facts record under "layouts" (hooks.layout)
 RUN_MANIFEST_NAME = "_run.json"
 
 
@@ -68,6 +75,7 @@ def new_rank_manifest(run_id: str, tp_rank: int, tp_size: int, config: dict, che
         "fp_version": FP_VERSION,
         "chunk_bytes": CHUNK_BYTES,
         "run_id": run_id,
+        "run_nonce": config.get("run_nonce"),  # the launch this trace belongs to (hook config)
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "versions": versions(),
@@ -110,7 +118,11 @@ def new_rank_manifest(run_id: str, tp_rank: int, tp_size: int, config: dict, che
         "notes": [],
         "online": {"match": 0, "mismatch": 0, "unchecked": 0},
         "dumps": {"count": 0, "bytes": 0, "skipped": 0, "files": []},
+        "guard": None,  # the in-server guard's record (tracer.guard), null when it is off
         "parts": [],
+        # Layout facts per captured layer, "<source>:<model>:<layer>" -> hooks.layout facts
+        "layout_schema": LAYOUT_SCHEMA_VERSION,
+        "layouts": {},
     }
 
 
@@ -121,6 +133,8 @@ def new_run_manifest(run_id: str, out: str, **fields) -> dict:
         "kind": "run",
         "schema_version": MANIFEST_SCHEMA_VERSION,
         "run_id": run_id,
+        "run_nonce": None,  # this launch's identity, the same in every rank manifest of the run
+        "replaced": False,  # --replace cleared an existing run folder first
         "out": out,
         "host": socket.gethostname(),
         "launcher_pid": os.getpid(),
@@ -144,7 +158,9 @@ def new_run_manifest(run_id: str, out: str, **fields) -> dict:
         "server_exit_code": None,
         "stop_signal": None,
         "stop_reason": None,
+        "stop": None,  # how the server's process group was stopped (hooks.launch)
         "ranks_closed_before_stop": None,
+        "port_check": None,  # audit --launch: the port was free, the server answering was ours
         "ranks": [],
         "complete": False,
         "problems": [],
@@ -183,9 +199,54 @@ def rank_problems(m: dict) -> list[str]:
         n = _count(m, key)
         if n:
             problems.append(f"had {n:,} {word} errors")
-    if not _count(m, "rows_written"):
+    guard = m.get("guard") if isinstance(m.get("guard"), dict) else None
+    problems += guard_problems(guard)
+    if not _count(m, "rows_written") and not (guard and guard.get("rows") == "mismatch" and _guard_checked(guard)):
         problems.append("wrote 0 rows (nothing captured: check the sampling filters and that traffic reached the server)")
+    listed = sum(int(p.get("rows") or 0) for p in m.get("parts") or [] if isinstance(p, dict))
+    if "parts" in m and listed != _count(m, "rows_written"):
+        problems.append(f"lists parts of {listed:,} rows but says it wrote {_count(m, 'rows_written'):,}")
     return problems
+
+
+def _guard_checked(guard: dict) -> int:
+    t = guard.get("tensors") or {}
+    return int(t.get("match") or 0) + int(t.get("mismatch") or 0)
+
+
+def guard_problems(guard: dict | None) -> list[str]:
+    """A guard that could not verify, or verified nothing, does not vouch for the run
+    (its trace holds rows for mismatches only, so 0 rows there is not a problem by itself)."""
+    if not guard:
+        return []
+    if guard.get("status") == "unverified":
+        return [f"guard could not verify ({guard.get('status_reason') or 'no reason recorded'})"]
+    if not _guard_checked(guard):
+        return ["guard verified nothing (no staged load or resident weights reached it)"]
+    return []
+
+
+def run_file_problems(run: dict | None) -> list[str]:
+    """What a run's ``_run.json`` itself says is wrong (none when there is no _run.json):
+    a launcher that never finished (killed, or still running), or one that found the
+    run incomplete."""
+    if run is None:
+        return []
+    if not run.get("finished"):
+        return ["_run.json says the launcher did not finish (finished: false: it was killed, or is still running)"]
+    problems = []
+    server = server_problem(run.get("server_exit_code"), bool(run.get("stop_reason")))
+    if server:
+        problems.append(f"{server} (_run.json)")
+    if run.get("complete") is not True:
+        why = "; ".join(str(p) for p in run.get("problems") or []) or "no reason recorded"
+        problems.append(f"_run.json says the run is incomplete ({why})")
+    return problems
+
+
+def foreign_ranks(manifests: dict[str, dict], nonce: str | None) -> list[str]:
+    """Rank labels whose manifest belongs to another launch than `nonce` (a reused run id)."""
+    return sorted((r for r, m in manifests.items() if m.get("run_nonce") != nonce), key=label_key)
 
 
 def server_problem(exit_code: int | None, stop_requested: bool) -> str | None:
@@ -199,15 +260,22 @@ def server_problem(exit_code: int | None, stop_requested: bool) -> str | None:
 
 def run_problems(manifests: dict[str, dict], expected_ranks: int | None, *, server_started: bool = True,
                  server_exit_code: int | None = None, stop_requested: bool = False,
-                 refusals: list[dict] = ()) -> list[str]:
+                 nonce: str | None = None, refusals: list[dict] = ()) -> list[str]:
     """Why a run is not a whole trace, one sentence per reason (empty: whole).
     ``manifests``: {rank label: manifest} (read_manifests). ``expected_ranks``: the TP
     rank count the server was started with (None: the tp_size the manifests agree on);
     every pipeline stage and replica the manifests name must have all of them.
-    ``refusals``: tracer.claim records of processes refused a folder."""
+    ``nonce``: the launch's run_nonce, which every manifest must carry (one from an
+    earlier launch under the same run id is not this run's). ``refusals``: tracer.claim
+    records of processes refused a folder."""
     problems: list[str] = []
     if not server_started:
         problems.append("the server did not start")
+    foreign = foreign_ranks(manifests, nonce) if nonce is not None else []
+    if foreign:
+        problems.append(f"manifests of rank {_ids(foreign)} are from another launch (a different run_nonce: "
+                        "a reused run id)")
+        manifests = {r: m for r, m in manifests.items() if r not in foreign}
     server = server_problem(server_exit_code, stop_requested)
     if server:
         problems.append(server)
@@ -244,12 +312,19 @@ def read_refusals(fs, run_dir: str) -> list[dict]:
     return out
 
 
+def another_launch(owner: dict, me: dict) -> bool:
+    """A folder claim (tracer.claim) `owner` belongs to another launch than `me` (both say their run_nonce)."""
+    return bool(owner.get("run_nonce") and me.get("run_nonce") and owner["run_nonce"] != me["run_nonce"])
+
+
 def refusal_problem(doc: dict) -> str:
     """One phrase for a refusal record: a process with another's identity traced nothing."""
     owner = doc.get("claimed_by") or {}
+    why = "a process of an earlier launch under the same run id" if another_launch(owner, doc) else \
+        "two processes with one identity"
     return (f"process pid {doc.get('pid', '?')} on {doc.get('host', '?')} was refused: rank {doc.get('rank_label', '?')} "
-            f"already belonged to pid {owner.get('pid', '?')} on {owner.get('host', '?')} (two processes with one "
-            "identity; that process traced nothing)")
+            f"already belonged to pid {owner.get('pid', '?')} on {owner.get('host', '?')} ({why}; that process traced "
+            "nothing)")
 
 
 def common_value(manifests: dict[str, dict], key: str):

@@ -91,7 +91,8 @@ class TraceSink:
             raise MoetraceError(f"output {out}: cannot create {self.rank_dir} ({err})") from None
         self._m = new_rank_manifest(run_id, tp_rank, tp_size, config or {}, checkpoint_id, rank_source,
                                     pp_rank=pp_rank, pp_size=pp_size, replica=replica, rank_sources=rank_sources)
-        claim_rank_dir(self.fs, self.run_dir, self.rank_dir, self.label, run_id, self._m["started_at"])
+        claim_rank_dir(self.fs, self.run_dir, self.rank_dir, self.label, run_id, self._m["started_at"],
+                       self._m["run_nonce"])
         self.rows_per_part = int(rows_per_part)
         self.flush_interval_s = float(flush_interval_s)
         self.chunk_digests = chunk_digests
@@ -203,6 +204,16 @@ class TraceSink:
             maps = entry.setdefault("slot_maps", {})
             maps[how] = maps.get(how, 0) + 1
 
+    def set_layout(self, key: str, facts: dict) -> None:
+        """Record a layer's layout facts under manifest["layouts"][key]; a change after
+        the first record replaces them and marks them "changed"."""
+        with self._lock:
+            layouts = self._m["layouts"]
+            if key in layouts:
+                facts = {**facts, "changed": True}
+            self._changes += 1
+            layouts[key] = facts
+
     def set_steps_seen(self, n: int) -> None:
         with self._lock:
             self._m["steps_seen"] = max(self._m["steps_seen"], n)
@@ -216,6 +227,12 @@ class TraceSink:
                 return False
             self._dump_reserved = [count + 1, used + nbytes]
             return True
+
+    def counters(self) -> dict:
+        """Error and drop counts (cheap: the metrics mirror them every second)."""
+        with self._lock:
+            return {"hook_errors": self._m["hook_errors"], "sink_errors": self._m["sink_errors"],
+                    "drops": dict(self._m["drops"])}
 
     def manifest(self) -> dict:
         import copy

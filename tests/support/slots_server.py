@@ -42,6 +42,7 @@ from moetrace.checkpoints.shards import Parallel, expected_experts
 from moetrace.hooks import sglang_hook
 from moetrace.schema import COPY_ORDERS
 from support import sglang_parts as sp
+from support.sglang_source import fork_root, installed_root, load_hook_manager, source_at
 
 E, REDUNDANT, GPU_SLOTS = 8, 2, 3
 NAMES = COPY_ORDERS["fp8_block"]
@@ -217,7 +218,7 @@ def run_kt(g: int, ports: list[int], ckpt_path: str, out: str, hm) -> None:
     try:
         ckpt = open_checkpoint(ckpt_path)
         shards = {0: expected_experts(ckpt, 0, rank, Parallel(2), range(E))}
-        kt = sp.kt_dynamic_update(sp.fork_root(), types.SimpleNamespace(device_group=None))
+        kt = sp.kt_dynamic_update(fork_root(), types.SimpleNamespace(device_group=None))
         KTMethod._update_gpu_experts_from_batch = kt._update_gpu_experts_from_batch
         ctx = SharedFullContext(shards, KT_BAD if (replica, rank) == (1, 1) else None)
         layer = KTLayer(KTMethod(rank, ctx), shards[0], rank)
@@ -252,8 +253,8 @@ def run_eplb(g: int, port: int, ckpt_path: str, out: str, hm, run_id: str) -> No
     stage, tp = g // 2, g % 2
     bad = run_id == "eplb-bad"
     sys.modules["sglang.srt.distributed"] = _parallel_state(tp, stage)
-    el = sp.expert_location(sp.installed_root())
-    loader = sp.fused_moe_loader(sp.installed_root(), el.get_global_expert_location_metadata)
+    el = sp.expert_location(installed_root("sglang"))
+    loader = sp.fused_moe_loader(installed_root("sglang"), el.get_global_expert_location_metadata)
     _init(4, g, port)
     try:
         el.resources.expert_location_metadata = sp.metadata_for(el, torch.tensor([OLD_ROW] * LAYERS), E, 2)
@@ -299,7 +300,7 @@ def run_eplb(g: int, port: int, ckpt_path: str, out: str, hm, run_id: str) -> No
 
 def worker(g: int, ports: list[int], ckpt_path: str, out: str) -> None:
     torch.set_num_threads(1)
-    hm = sp.hook_manager()
+    hm = load_hook_manager()
     run_kt(g, ports[:2], ckpt_path, out, hm)
     for run_id, port in (("eplb", ports[2]), ("eplb-bad", ports[3])):
         run_eplb(g, port, ckpt_path, out, hm, run_id)
@@ -318,10 +319,9 @@ def _free_ports(n: int) -> list[int]:
 
 def main(ckpt_path: str, out: str) -> None:
     t0 = time.perf_counter()
-    for root, rel in ((sp.installed_root(), "srt/eplb/expert_location.py"),
-                      (sp.installed_root(), "srt/layers/moe/fused_moe_triton/layer.py"),
-                      (sp.fork_root(), "srt/layers/moe/kt_ep_wrapper.py")):
-        sp.parsed(root / rel)  # parsed once here, inherited by the forked workers
+    for root, rel in ((installed_root("sglang"), sp.EXPERT_LOCATION), (installed_root("sglang"), sp.FUSED_MOE_LAYER),
+                      (fork_root(), sp.KT_WRAPPER)):
+        source_at(str(root)).tree(rel)  # parsed once here, inherited by the forked workers
     import io
 
     import pyarrow as pa

@@ -31,7 +31,7 @@ import torch
 from moetrace.checkpoints.index import write_index
 from moetrace.checkpoints.index_build import build_index
 from moetrace.checkpoints.reader import open_checkpoint
-from moetrace.checkpoints.shards import Parallel, expected_layer
+from moetrace.checkpoints.shards import Parallel, expected_layer, tensor_names
 from moetrace.fingerprint import CHUNK_BYTES, Fingerprint, fingerprint, n_chunks_for
 from moetrace.schema import COPY_ORDERS, TRACE_SCHEMA, RankIdentity, dtype_name
 from moetrace import storage
@@ -40,6 +40,8 @@ from moetrace.tracer.batch import CaptureBatch
 from moetrace.tracer.sink import TraceSink
 
 Corruption = tuple | None
+# A small MoE checkpoint for tests about input handling, not shards (conftest's small_model).
+SMALL_MOE = dict(num_layers=2, num_experts=4, hidden=256, intermediate=512)
 
 
 class CheckpointModel:
@@ -53,7 +55,7 @@ class CheckpointModel:
         self.num_experts = self.spec.num_experts
         self.layer_ids = list(self.spec.moe_layers)
         self.checkpoint_id = self.ckpt.identity
-        self.tensors = COPY_ORDERS[self.spec.fmt]
+        self.tensors = tensor_names(self.spec)
         self._layers: dict = {}
         self._digests: dict = {}
 
@@ -163,7 +165,8 @@ def write_run_json(out: str, run_id: str, model: CheckpointModel, ranks: list[in
     storage.make_dirs(fs, storage.join(base, run_id))
     doc = new_run_manifest(run_id, out, tp_size=model.tp_size, expected_ranks=model.tp_size,
                            checkpoint_id=model.checkpoint_id, finished=True, complete=True,
-                           ranks=[{"rank_label": str(r)} for r in ranks], **fields)
+                           ranks=[{"rank_label": str(r), "tp_rank": r, "pp_rank": 0, "replica": None, "present": True}
+                                  for r in ranks], **fields)
     storage.write_json(fs, storage.join(base, run_id, RUN_MANIFEST_NAME), doc)
 
 
