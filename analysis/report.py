@@ -188,7 +188,7 @@ def _first_divergence(a: Analysis, drows: np.ndarray, multi_run: bool) -> list[d
 
 
 def _loads_section(a: Analysis, drows: np.ndarray) -> tuple[list[dict], list[dict]]:
-    d, idx, L = a.data, a.idx, a.loads
+    d, L = a.data, a.loads
     loads_doc = []
     if len(L):
         divergent = np.bincount(a.load[drows], minlength=len(L)) if len(drows) else np.zeros(len(L), np.int64)

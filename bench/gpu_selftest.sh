@@ -49,7 +49,11 @@ run() {  # name, command...
 }
 : >"$out/steps.txt"
 "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$out/env.txt"
-run selftest "$py" -m moetrace.cli selftest --device "$device" $quick --json
+# SELFTEST_ONLY=a,b: only those proofs (the test suite's dry run leaves the detector to the
+# demo pair it already runs; see tests/test_selftest.py).
+only=""
+for part in ${SELFTEST_ONLY//,/ }; do only="$only --only $part"; done
+run selftest "$py" -m moetrace.cli selftest --device "$device" $quick $only --json
 run bench_fingerprint "$py" "$here/bench/bench_fingerprint.py" --device "$device" --json $quick
 run bench_capture "$py" "$here/bench/bench_capture.py" --device "$device" $quick
 run bench_fence "$py" "$here/bench/bench_fence.py" --device "$device" $quick

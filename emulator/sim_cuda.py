@@ -140,7 +140,6 @@ class SimStream:
 
     # -- engine side
     def _run(self) -> None:
-        rt = self.runtime
         while True:
             with self._cv:
                 while not self._q and not self._closed:

@@ -1,8 +1,11 @@
-"""Shared fixtures: synthetic checkpoints, written once per session per argument set.
+"""Shared fixtures: synthetic checkpoints written once per session per argument set, and
+the whole-session runs (the demo pair, the GPU script's dry run) that many tests read.
 
 tests/ and bench/ go on sys.path (and on PYTHONPATH for the processes tests start)
 so test modules import the shared scaffolding as ``support.*`` and the benchmark
 data generator as ``synthetic_trace``; neither is part of the moetrace package.
+Every process of the session computes with one torch thread and uses the session's
+own index cache.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,31 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 for path in (HERE, os.path.join(os.path.dirname(HERE), "bench")):
     if path not in sys.path:
         sys.path.insert(0, path)
+# One torch thread per process: the suite runs two workers plus the rank processes they
+# start on two cores, and OpenMP threads spinning for a busy core cost more than KB-sized
+# tensors gain from them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["PYTHONPATH"] = os.pathsep.join([HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+def _session_root(tmp_path_factory) -> Path:
+    """The folder every worker of this session shares (pytest-xdist workers get popen-gwN/
+    below it)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def index_cache(tmp_path_factory) -> Path:
+    """MOETRACE_CACHE of this session, for the tests and every process they start: the
+    suite never reads or fills the user's own index cache (~/.cache/moetrace)."""
+    return _use_session_cache(_session_root(tmp_path_factory))
+
+
+def _use_session_cache(root: Path) -> Path:
+    path = root / "index-cache"
+    os.environ["MOETRACE_CACHE"] = str(path)
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -71,9 +97,7 @@ def once_per_session(tmp_path_factory, name: str, make) -> dict:
     runs it under a file lock, the others read its result."""
     import fcntl
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # popen-gwN/: the parent is this session's, shared
-        root = root.parent
+    root = _session_root(tmp_path_factory)
     done = root / f"{name}.json"
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -93,32 +117,47 @@ class DemoRun:
     shm_before: set
 
 
+# Fixtures backed by a background session job (support.session_jobs): started once
+# collection shows a selected test uses one, and those tests run last.
+JOB_FIXTURES = {"demo_run": "demo", "gpu_script_dry_run": "gpu-dry-run"}
+
+
+def _uses_job(item) -> bool:
+    return any(f in JOB_FIXTURES for f in getattr(item, "fixturenames", ()))
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=_uses_job)  # stable: the rest keep their order, the waiting tests come last
+
+
+def pytest_collection_finish(session):
+    if not session.items:  # the xdist controller collects nothing; its workers start the jobs
+        return
+    from support import session_jobs
+
+    root = _session_root(session.config._tmp_path_factory)
+    _use_session_cache(root)  # before any job starts: they inherit it
+    for fixture, job in JOB_FIXTURES.items():
+        if any(fixture in getattr(i, "fixturenames", ()) for i in session.items):
+            session_jobs.start(root, job)
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> DemoRun:
     """`moetrace demo --quick --json` once per session: the emulated unfenced/fenced pair
     on one injected schedule that the end-to-end and selftest tests read and re-analyze."""
+    from support import session_jobs
 
-    def run(work: Path) -> dict:
-        before = sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else []
-        proc = subprocess.run([sys.executable, "-m", "moetrace.cli", "demo", "--quick", "--json", "--workdir", str(work)],
-                              capture_output=True, text=True, timeout=600)
-        summary = json.loads(proc.stdout) if proc.returncode in (0, 1) and proc.stdout.strip() else None
-        return {"returncode": proc.returncode, "summary": summary, "workdir": str(work), "stderr": proc.stderr,
-                "shm_before": before}
-
-    d = once_per_session(tmp_path_factory, "demo", run)
+    d = session_jobs.result(_session_root(tmp_path_factory), "demo")
     return DemoRun(d["returncode"], d["summary"], Path(d["workdir"]), d["stderr"], set(d["shm_before"]))
 
 
 @pytest.fixture(scope="session")
 def gpu_script_dry_run(tmp_path_factory) -> dict:
     """`bash bench/gpu_selftest.sh` with DRY_RUN=1 QUICK=1 once per session: the one-command GPU
-    run on CPU; its selftest step is exactly what CI runs (`moetrace selftest --device cpu --quick --json`)."""
-    script = Path(HERE).parent / "bench" / "gpu_selftest.sh"
+    run on CPU. Its selftest step runs the fingerprint and throughput proofs only: the detector
+    proof's emulated pair is the demo pair this session already runs (demo_run), and
+    test_selftest.py judges the detector on it, through the same selftest entry point."""
+    from support import session_jobs
 
-    def run(out: Path) -> dict:
-        env = dict(os.environ, DRY_RUN="1", QUICK="1", PYTHON=sys.executable)
-        proc = subprocess.run(["bash", str(script), str(out)], capture_output=True, text=True, timeout=900, env=env)
-        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr, "out": str(out)}
-
-    return once_per_session(tmp_path_factory, "gpu-dry-run", run)
+    return session_jobs.result(_session_root(tmp_path_factory), "gpu-dry-run")

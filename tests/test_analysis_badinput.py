@@ -9,12 +9,11 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
 
 from moetrace.analysis.report import analyze
-from moetrace.cli import main
 from moetrace.errors import MoetraceError
 from support.traces import SMALL_MOE, CheckpointModel, write_scenario
+from support.cli import cli, one_line_error
 
 
 SIZES = SMALL_MOE  # small: these tests are about input handling, not shards
@@ -36,20 +35,8 @@ def run(model, tmp_path):
     return tmp_path / "r"
 
 
-def cli(*args):
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    if r.exception and not isinstance(r.exception, SystemExit):
-        raise r.exception
-    return r
 
 
-def one_line_error(r, *words):
-    assert r.exit_code == 2, r.output
-    lines = [x for x in r.output.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("moetrace: error: "), r.output
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
 
 
 def test_truncated_part_is_skipped_named_and_fails_audit(run, index):

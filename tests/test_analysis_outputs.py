@@ -9,10 +9,9 @@ import shutil
 import xml.etree.ElementTree as ET
 
 import pytest
-from click.testing import CliRunner
 
 from support.traces import CheckpointModel, write_scenario
-from moetrace.cli import main
+from support.cli import cli
 
 STEPS = [0, 1, 2]
 
@@ -41,11 +40,6 @@ def env(make_ckpt, tmp_path_factory):
     return {"model": model, "index": index, "out": out, "root": root}
 
 
-def cli(*args):
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    if r.exception and not isinstance(r.exception, SystemExit):
-        raise r.exception
-    return r
 
 
 def test_analyze_terminal_text(env):

@@ -10,15 +10,14 @@ from pathlib import Path
 import xml.etree.ElementTree as ET
 
 import pytest
-from click.testing import CliRunner
 
 from moetrace.analysis import render
 from moetrace.analysis.plot import plot
 from moetrace.analysis.report import analyze
-from moetrace.cli import main
 from moetrace.errors import MoetraceError
 from support.traces import CheckpointModel, write_scenario
 from synthetic_trace import write_bench
+from support.cli import cli, one_line_error
 
 STEPS = list(range(13))
 SAME = {(e, "w2_weight_scale_inv"): ("expert", e + 2) for e in range(2)}  # 2/4 are E+2
@@ -49,20 +48,8 @@ def rep(env):
     return analyze([env["run"]], index=env["index"])
 
 
-def cli(*args):
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    if r.exception and not isinstance(r.exception, SystemExit):
-        raise r.exception
-    return r
 
 
-def one_line_error(r, *words):
-    assert r.exit_code == 2, r.output
-    lines = [x for x in r.output.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("moetrace: error: "), r.output
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
 
 
 # ---------------------------------------------------------------- 1. --plot

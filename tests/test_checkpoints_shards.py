@@ -72,7 +72,7 @@ def reference(kw: dict, layer: int, tp: int, ep: int, up_first: bool, tp_rank: i
     rows by block_n, w2 columns by block_k), named weight_scale_inv for the fp8 method;
     per-channel scales [rows, 1] fp32 with w2's full; per-tensor [gate, up] and down.
     padded P: rank r reads rows [r*P, (r+1)*P) clipped to I, zeros after."""
-    fmt, hid, inter, nexp, seed = kw["fmt"], kw["hidden"], kw["intermediate"], kw["num_experts"], 0
+    fmt, hid, inter, nexp = kw["fmt"], kw["hidden"], kw["intermediate"], kw["num_experts"]
     moe_tp = tp // ep
     ep_rank, r = tp_rank // moe_tp, tp_rank % moe_tp
     i_tp = padded or inter // moe_tp

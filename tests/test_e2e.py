@@ -19,6 +19,7 @@ import pytest
 
 from moetrace.analysis import analyze
 from moetrace.jobs import demo
+from support.cli import cli, one_line_error
 
 CLI = [sys.executable, "-m", "moetrace.cli"]
 
@@ -157,13 +158,11 @@ def test_audit_launch_fenced_exits_0(ckpt, tmp_path):
     ],
 )
 def test_audit_launch_server_never_healthy_exits_2_with_reports(ckpt, tmp_path, server, why):
-    cmd = [*CLI, "audit", "--launch", f"{sys.executable} -c '{server}' --port {_port()}",
-           "--checkpoint", str(ckpt), "--out", str(tmp_path / "traces"), "--ready-timeout", "1",
-           "--junit", str(tmp_path / "j.xml"), "--json-out", str(tmp_path / "a.json")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
+    r = cli("audit", "--launch", f"{sys.executable} -c '{server}' --port {_port()}", "--checkpoint", ckpt,
+            "--out", tmp_path / "traces", "--ready-timeout", "1", "--junit", tmp_path / "j.xml",
+            "--json-out", tmp_path / "a.json")
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    last = r.output.strip().splitlines()[-1]
     assert last.startswith("moetrace: error: audit --launch: ") and why in last and "/health" in last
     # a nightly CI job still gets a failing test case and a JSON verdict
     doc = json.loads((tmp_path / "a.json").read_text())
@@ -172,19 +171,17 @@ def test_audit_launch_server_never_healthy_exits_2_with_reports(ckpt, tmp_path, 
 
 
 def test_audit_launch_emulator_without_port_is_refused_at_once(ckpt, tmp_path):
-    cmd = [*CLI, "audit", "--launch", f"{sys.executable} -m moetrace.cli serve {ckpt} --tp 2", "--checkpoint",
-           str(ckpt), "--out", str(tmp_path / "traces"), "--junit", str(tmp_path / "j.xml")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "give it --port N" in proc.stderr
+    r = cli("audit", "--launch", f"{sys.executable} -m moetrace.cli serve {ckpt} --tp 2", "--checkpoint", ckpt,
+            "--out", tmp_path / "traces", "--junit", tmp_path / "j.xml")
+    one_line_error(r, "give it --port N")
     assert (tmp_path / "j.xml").exists()
 
 
 def test_audit_of_unusable_trace_still_writes_reports(tmp_path, ckpt):
     (tmp_path / "empty").mkdir()
-    cmd = [*CLI, "audit", str(tmp_path / "empty"), "--checkpoint", str(ckpt), "--junit", str(tmp_path / "j.xml"),
-           "--json-out", str(tmp_path / "a.json"), "--markdown", str(tmp_path / "a.md")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    r = cli("audit", tmp_path / "empty", "--checkpoint", ckpt, "--junit", tmp_path / "j.xml",
+            "--json-out", tmp_path / "a.json", "--markdown", tmp_path / "a.md")
+    one_line_error(r, str(tmp_path / "empty"))
     assert json.loads((tmp_path / "a.json").read_text())["status"] == "unusable"
     assert "UNUSABLE" in (tmp_path / "a.md").read_text() and "<error" in (tmp_path / "j.xml").read_text()
 

@@ -128,6 +128,7 @@ def test_cli_serve_sigterm(ckpt, tmp_path):
 
 
 def test_cli_serve_refuses_bad_input(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "moetrace.cli", "serve", str(tmp_path / "missing")],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "moetrace: error:" in r.stderr
+    from support.cli import cli, one_line_error
+
+    one_line_error(cli("serve", tmp_path / "missing"), str(tmp_path / "missing"))
+    one_line_error(cli("serve"), "give the checkpoint directory")

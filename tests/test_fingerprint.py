@@ -66,6 +66,20 @@ def test_torch_path_equals_the_reference(n):
     assert np.array_equal(F.row_lanes(x, "torch").numpy(), ref)
 
 
+def test_torch_threads_do_not_change_the_lanes():
+    """The suite runs torch single-threaded (tests/conftest.py); servers do not: the torch
+    path gives the same lanes with several threads, on rows big enough to be split."""
+    x = _bytes(8 * (8 * C + 5), seed=11).reshape(8, -1)
+    ref = F.row_lanes(x, "numpy")
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            assert np.array_equal(F.row_lanes(x, "torch").numpy(), ref), f"{n} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_extreme_bytes_give_the_largest_lanes_exactly():
     for value in (-128, 127):
         x = torch.full((2, C), value, dtype=torch.int8).view(torch.uint8)

@@ -23,13 +23,16 @@ from torch import nn
 from moetrace.hooks import sglang_hook
 from moetrace.hooks.kt import GPU_COPIED, transport_positions
 from moetrace.hooks.launch import Launcher, build_command, expected_tp
-from moetrace.hooks.server import LEGACY_CUDA_GRAPH_FLAGS, SPLIT_CUDA_GRAPH_FLAGS, cuda_graph_flags_for, server_distribution
+from moetrace.hooks.server import SPLIT_CUDA_GRAPH_FLAGS
 from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec
 from moetrace.tracer.manifest import read_manifests
 from support.sglang_source import load_hook_manager
 from support.traces import read_rows as read_trace
 
 CKPT = dict(num_layers=2, num_experts=8, hidden=128, intermediate=256, seed=3)
+# The launch tests wait for every rank to write a part before they stop the server: a part
+# every 0.2 s instead of the default 5 s (docs/capture.md, flush_interval_s).
+FAST_FLUSH = {"flush_interval_s": 0.2}
 NAMES = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
 
 
@@ -496,9 +499,12 @@ def test_launch_runs_server_and_finishes_the_trace(make_ckpt, tmp_path):
     server.write_text(_FAKE_SERVER.replace("os.path.dirname(os.path.abspath(__file__))", repr(str(Path(__file__).parent))))
     out = tmp_path / "traces"
     env = dict(os.environ, FAKE_CKPT=str(make_ckpt(**CKPT)))
+    config = tmp_path / "hook-config.json"
+    config.write_text(json.dumps(FAST_FLUSH))
     proc = subprocess.Popen(
         [sys.executable, "-m", "moetrace.cli", "launch", "--out", str(out), "--run-id", "L", "--server-flags", "split",
-         "--close-timeout", "20", "--", sys.executable, str(server), "--model-path", "m", "--tp", "2"],
+         "--config", str(config), "--close-timeout", "20", "--", sys.executable, str(server), "--model-path", "m",
+         "--tp", "2"],
         env=env, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -623,7 +629,7 @@ def test_launcher_stop_from_another_thread(make_ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_CKPT", str(make_ckpt(**CKPT)))
     out = tmp_path / "traces"
     lines: list[str] = []
-    launcher = Launcher([sys.executable, str(_fake_server(tmp_path)), "--model-path", "m", "--tp", "2"], {"out": str(out), "run_id": "S"},
+    launcher = Launcher([sys.executable, str(_fake_server(tmp_path)), "--model-path", "m", "--tp", "2"], {"out": str(out), "run_id": "S", **FAST_FLUSH},
                         server_flags="split", echo=lines.append)
 
     def traffic():

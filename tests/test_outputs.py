@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from moetrace.cli import main
+from support.cli import cli, one_line_error
 from support.traces import write_scenario
 
 
@@ -34,15 +33,8 @@ def runs(small_model, tmp_path_factory):
 TINY = ["--layers", "1", "--experts", "2", "--hidden", "128", "--intermediate", "128"]  # make-checkpoint, cheap
 
 
-def cli(*args, env=None):
-    return CliRunner().invoke(main, [str(a) for a in args], env=env)
 
 
-def one_line(r, code, *words):
-    lines = [x for x in r.output.splitlines() if x.strip()]
-    assert r.exit_code == code and len(lines) == 1 and lines[0].startswith("moetrace: error: "), r.output
-    assert "Traceback" not in r.output and all(w in lines[0] for w in words), lines[0]
-    return lines[0]
 
 
 @pytest.fixture
@@ -109,7 +101,7 @@ def test_output_options_refuse_what_is_not_a_regular_file(option, kind, small_mo
             path = path.rename(path.with_suffix(".png"))
         args = ["analyze", runs / "good", "--index", small_index, option, path]
     r = cli(*args)
-    one_line(r, 2, f"{option.split()[-1]} {path}: is", WHAT[kind])
+    one_line_error(r, f"{option.split()[-1]} {path}: is", WHAT[kind])
     assert unchanged(path, kind, tmp_path) and not (tmp_path / "started").exists()
 
 
@@ -134,7 +126,7 @@ def test_an_unexpected_error_is_one_line_and_exit_2(runs, small_index, monkeypat
         raise ZeroDivisionError("a bug\nwith two lines")
 
     monkeypatch.setattr(audit, "analyze", broken)
-    one_line(cli("audit", runs / "good", "--index", small_index), 2, "unexpected ZeroDivisionError: a bug with two lines")
+    one_line_error(cli("audit", runs / "good", "--index", small_index), "unexpected ZeroDivisionError: a bug with two lines")
 
 
 def test_ctrl_c_is_one_line_and_exit_130_never_1(runs, small_index, monkeypatch):
@@ -149,18 +141,18 @@ def test_ctrl_c_is_one_line_and_exit_130_never_1(runs, small_index, monkeypatch)
 
 
 def test_a_launch_command_that_does_not_split_is_one_line(small_index, tmp_path):
-    one_line(cli("audit", "--launch", "sh -c 'unterminated", "--index", small_index, "--out", tmp_path), 2,
-             "cannot split the command", "No closing quotation")
+    one_line_error(cli("audit", "--launch", "sh -c 'unterminated", "--index", small_index, "--out", tmp_path),
+                   "cannot split the command", "No closing quotation")
 
 
 # ---------------------------------------------------------------- 7. read-only and full file systems
 
 
 def test_unwritable_outputs_are_one_line(small_model, unwritable, tmp_path):
-    one_line(cli("index", small_model.path, "--tp", "2", "-o", unwritable / "x" / "index.parquet"), 2, f"-o {unwritable}")
-    one_line(cli("make-checkpoint", *TINY, "-o", unwritable / "ckpt"), 2, f"-o {unwritable / 'ckpt'}: cannot write")
+    one_line_error(cli("index", small_model.path, "--tp", "2", "-o", unwritable / "x" / "index.parquet"), f"-o {unwritable}")
+    one_line_error(cli("make-checkpoint", *TINY, "-o", unwritable / "ckpt"), f"-o {unwritable / 'ckpt'}: cannot write")
     r = cli("index", small_model.path, "--tp", "2", "-o", tmp_path / "i.parquet", env={"MOETRACE_CACHE": str(unwritable)})
-    one_line(r, 2, f"MOETRACE_CACHE {unwritable}", "--no-cache")
+    one_line_error(r, f"MOETRACE_CACHE {unwritable}", "--no-cache")
     assert not (tmp_path / "i.parquet").exists()
 
 

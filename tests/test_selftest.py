@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,19 +20,51 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_selftest_cpu_quick_passes(gpu_script_dry_run):
+    """`moetrace selftest --device cpu --quick --json --only fingerprint --only throughput`, as the
+    GPU script's dry run runs it (the detector: test_selftest_detector_on_the_demo_pair)."""
     out = Path(gpu_script_dry_run["out"])
     doc = json.loads((out / "selftest.out").read_text())
     assert doc["exit_code"] == 0 and doc["device"] == "cpu", (out / "selftest.err").read_text()
     proofs = {p["name"]: p for p in doc["proofs"]}
-    assert set(proofs) == {"fingerprint", "detector", "throughput"}
+    assert set(proofs) == {"fingerprint", "throughput"}
     assert proofs["fingerprint"]["ok"] and proofs["fingerprint"]["data"]["cases"] > 40
-    assert proofs["detector"]["ok"] and "(E+2)" in proofs["detector"]["detail"]
-    assert proofs["detector"]["data"]["unfenced_exit"] == 1 and proofs["detector"]["data"]["fenced_exit"] == 0
-    if os.environ.get("MOETRACE_REQUIRE_FORK") == "1":  # make test: the proof ran the fork's own staging code
-        assert proofs["detector"]["data"]["transport"] == "fork" and "sglang-kt 0.7.2" in proofs["detector"]["detail"]
     data = proofs["throughput"]["data"]
     for key in ("fingerprint_vs_copy", "fingerprint_vs_sha256_host", "capture_vs_load_copies"):
         assert data[key] > 0
+
+
+def test_selftest_detector_on_the_demo_pair(demo_run, monkeypatch, tmp_path):
+    """The selftest's detector proof, through run_selftest and the CLI's JSON, judging the
+    session's demo pair (the same quick emulated pair on CPU that the proof would run: its
+    run_pair is handed that pair instead of running it a second time)."""
+    from moetrace.jobs.demo import QUICK, guard_records
+
+    work, summary = demo_run.workdir, demo_run.summary
+    unf, fen = _demo_reports(demo_run)
+    calls = []
+
+    def demo_pair(workdir, size, device="cpu", **kw):
+        calls.append((Path(workdir), size, device, kw))
+        runs = {run_id: {"report": rep, "guard": guard_records(work / "traces", run_id)}
+                for run_id, rep in (("unfenced", unf), ("fenced", fen))}
+        return {"runs": runs, "transport": summary["transport"], "staged_by": summary["staged_by"]}
+
+    monkeypatch.setattr(demo, "run_pair", demo_pair)
+    code, proofs = st.run_selftest("cpu", quick=True, workdir=str(tmp_path), only=("detector",))
+    assert calls == [(tmp_path / "detector", QUICK, "cpu", {})]  # what the proof asks for: the quick pair on CPU
+    doc = st.as_json(code, proofs, "cpu")
+    assert doc["exit_code"] == 0 and doc["verdict"] == "selftest PASSED on cpu: every proof holds", doc
+    (proof,) = doc["proofs"]
+    assert proof["name"] == "detector" and proof["ok"] and "(E+2)" in proof["detail"], proof
+    assert "in-server guard agrees" in proof["detail"]
+    assert proof["data"]["unfenced_exit"] == 1 and proof["data"]["fenced_exit"] == 0
+    if os.environ.get("MOETRACE_REQUIRE_FORK") == "1":  # make test: the pair ran the fork's own staging code
+        assert proof["data"]["transport"] == "fork" and "sglang-kt 0.7.2" in proof["detail"]
+    # the same pair with the fenced run swapped for the unfenced one: the proof fails, exit 1
+    monkeypatch.setattr(demo, "run_pair", lambda *a, **k: {**demo_pair(*a, **k), "runs": {
+        "unfenced": demo_pair(*a)["runs"]["unfenced"], "fenced": demo_pair(*a)["runs"]["unfenced"]}})
+    code, proofs = st.run_selftest("cpu", quick=True, workdir=str(tmp_path), only=("detector",))
+    assert code == 1 and proofs[0].ok is False and "fenced run is not a clean" in proofs[0].detail
 
 
 def test_broken_device_fingerprint_fails_the_proof():
@@ -94,6 +124,7 @@ def test_gpu_script_dry_run(gpu_script_dry_run):
     steps = (out / "steps.txt").read_text().split("\n")
     assert all(" rc=0 " in line for line in steps if line), steps
     assert "| selftest | exit 0" in run["stdout"] and "fingerprint_all_cores" in run["stdout"]
+    assert "--only fingerprint --only throughput --json" in run["stdout"]  # SELFTEST_ONLY reached the command
 
 
 def test_detector_checks_the_guard_against_the_analysis(demo_run):

@@ -89,12 +89,13 @@ def kt_dynamic_update(root: Path, tp_group) -> types.ModuleType:
 
     import torch.distributed as dist
 
-    mod = compile_parts(root, KT_WRAPPER,
-                        ["select_top_experts_from_batch", "copy_experts_weights_fp8", "copy_experts_weights_fp8_channel",
-                         "copy_experts_weights_bf16", "copy_experts_weights_int4", "update_gpu_expert_mappings"],
-                        dict(torch=torch, dist=dist, get_tp_group=lambda: tp_group,
-                             update_kt_wrapper_masks=lambda wrapper, mask: None,
-                             logger=logging.getLogger("kt-under-test")),
-                        "moetrace_tests_kt_ep_wrapper")
+    # the helpers first, into the module the method below is compiled into
+    compile_parts(root, KT_WRAPPER,
+                  ["select_top_experts_from_batch", "copy_experts_weights_fp8", "copy_experts_weights_fp8_channel",
+                   "copy_experts_weights_bf16", "copy_experts_weights_int4", "update_gpu_expert_mappings"],
+                  dict(torch=torch, dist=dist, get_tp_group=lambda: tp_group,
+                       update_kt_wrapper_masks=lambda wrapper, mask: None,
+                       logger=logging.getLogger("kt-under-test")),
+                  "moetrace_tests_kt_ep_wrapper")
     return compile_parts(root, KT_WRAPPER, ["_update_gpu_experts_from_batch"], {}, "moetrace_tests_kt_ep_wrapper",
                          methods_of="KTEPWrapperMethod")
