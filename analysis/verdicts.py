@@ -14,7 +14,7 @@ Order of questions asked of a row (the first yes wins):
    some index entry; the entry closest to the expected key names the relation
    (same rank/layer/tensor other expert, then other rank, then other layer,
    then other tensor kind; smaller |k| first).
-6. With chunk fingerprints (recorded for this row): ``torn`` when its chunks
+6. With chunk digests (recorded for this row): ``torn`` when its chunks
    come from several sources (index entries of the same size, or zero chunks),
    ``constant`` (value not identified) when all its full 64 KiB chunks are
    equal and match nothing, else ``unknown``.
@@ -65,7 +65,7 @@ class Verdicts:
     k: np.ndarray  # found expert - expected expert (stale, wrong_*), 0 otherwise
     value: dict[int, str] = field(default_factory=dict)  # row -> constant fill description
     torn: dict[int, list[dict]] = field(default_factory=dict)  # row -> chunk ranges by source
-    no_chunks: set[int] = field(default_factory=set)  # unknown rows without chunk fingerprints
+    no_chunks: set[int] = field(default_factory=set)  # unknown rows without chunk digests
 
 
 # ---------------------------------------------------------------- fp joins
@@ -308,7 +308,7 @@ def _content(data: TraceData, idx: IndexData, rows: np.ndarray, out: Verdicts) -
 
 
 def _explode(blobs: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """[row blob of 16-byte chunk fps] -> (owner, position, hi, lo) per chunk."""
+    """[row blob of 16-byte chunk digests] -> (owner, position, hi, lo) per chunk."""
     sizes = np.array([len(b) // 16 for b in blobs], dtype=np.int64)
     if sizes.sum() == 0:
         z = np.zeros(0, np.int64)

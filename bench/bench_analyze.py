@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=10_000_000, help="trace rows to generate (default 10M)")
     ap.add_argument("--out", default=None, help="work folder (default: a temporary folder, removed after)")
     ap.add_argument("--chunk-fps", choices=["all", "mismatch"], default="all",
-                    help="rows carrying chunk fingerprints (tracer default: all)")
+                    help="rows carrying chunk digests (tracer default: all)")
     ap.add_argument("--rows-per-part", type=int, default=250_000)
     ap.add_argument("--reuse", action="store_true", help="reuse a trace already generated in --out")
     ap.add_argument("--repeat", type=int, default=1, help="measure each mode N times, keep the fastest")

@@ -33,7 +33,7 @@ def _rand16(rng: np.random.Generator, n: int) -> np.ndarray:
 
 def bench_index(path: str, layers: int = 48, experts: int = 256, tp: int = 2, seed: int = 0,
                 checkpoint_id: str = "bench-qwen35-122b") -> dict:
-    """Index with random fingerprints and chunk fingerprints; returns arrays for the trace writer."""
+    """Index with random fingerprints and chunk digests; returns arrays for the trace writer."""
     rng = np.random.default_rng(seed)
     tensors = list(COPY_ORDERS["fp8_block"])
     R, L, E, T = np.meshgrid(np.arange(tp), np.arange(layers), np.arange(experts), np.arange(len(tensors)), indexing="ij")

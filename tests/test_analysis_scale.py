@@ -44,7 +44,7 @@ def test_constant_fingerprints_equal_real_tensors():
 
 
 def test_bench_trace_small(tmp_path):
-    """The benchmark generator (random fingerprints, parts, all chunk fps) at 4 layers x 16 experts."""
+    """The benchmark generator (random fingerprints, parts, all chunk digests) at 4 layers x 16 experts."""
     meta = write_bench(str(tmp_path), rows=3 * 2 * 4 * 16 * 4, layers=4, experts=16, rows_per_part=100)
     assert meta["rows"] == 3 * 512 and meta["steps"] == 3
     rep = analyze([meta["trace"]], index=meta["index"])

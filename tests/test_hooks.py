@@ -451,6 +451,31 @@ def test_hook_spec_and_cuda_graph_flags(tmp_path):
     assert cmd[-2:] == list(SPLIT_CUDA_GRAPH_FLAGS) and expected_tp(cmd) == 2
 
 
+def test_every_capture_option_reaches_the_hook_config(small_index, tmp_path):
+    """Each option of hook-spec (and launch) lands in the config under the key its name
+    says (config keys: docs/capture.md); a renamed config key cannot leave a dead option."""
+    from click.testing import CliRunner
+
+    from moetrace.cli import hook_spec_cmd, main
+
+    given = {"--run-id": "r1", "--checkpoint-id": "abc", "--layers": "0", "--experts": "0-3", "--tensors": "w2_weight",
+             "--sources": "staged", "--every": "2", "--first": "3", "--index": small_index, "--chunk-digests": "mismatch",
+             "--dump-max-count": "1", "--dump-max-bytes": "100", "--guard": "alert", "--guard-rows": "all",
+             "--metrics-port": "0", "--update-index-dir": str(tmp_path), "--queue-size": "4", "--max-hook-errors": "3",
+             "--kt": "on"}
+    not_config = {"--out", "--config", "--target", "--pretty", "--help"}
+    options = {o.opts[0]: o for o in hook_spec_cmd.params if o.opts[0].startswith("--")}
+    assert set(options) - not_config == set(given), "a new capture option: give it a value here"
+    args = [a for k, v in given.items() for a in (k, v)]
+    res = CliRunner().invoke(main, ["hook-spec", "--out", str(tmp_path / "t"), *args])
+    assert res.exit_code == 0, res.output
+    config = json.loads(res.output)[0]["config"]
+    for opt, value in given.items():
+        key = options[opt].name
+        assert key in config, f"{opt} -> {key} is not in the hook config"
+    assert config["chunk_digests"] == "mismatch" and config["every_n_steps"] == 2 and config["kt"] is True
+
+
 _FAKE_SERVER = textwrap.dedent(
     """
     # A stand-in for `python -m sglang.launch_server`: registers --forward-hooks with

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from moetrace.errors import MoetraceError
 from moetrace.tracer.sampling import Sampling
 
-CHUNK_FP_MODES = ("all", "mismatch", "none")
+CHUNK_DIGEST_MODES = ("all", "mismatch", "none")
 KT_MODES = ("auto", True, False)
 GUARD_ACTIONS = ("record", "alert", "fail-closed")  # what the guard does on a mismatch (docs/guard.md)
 GUARD_ROWS = ("mismatch", "all")  # which guarded rows reach the trace
@@ -49,7 +49,7 @@ class TraceConfig:
     run_nonce: str | None = None  # the launch's identity (hooks.spec sets a fresh one); recorded in every manifest
     checkpoint_id: str | None = None
     sampling: Sampling = field(default_factory=Sampling)
-    chunk_digests: str = "all"  # which rows carry chunk fingerprints: all | mismatch | none
+    chunk_digests: str = "all"  # which rows carry chunk digests: all | mismatch | none
     index: str | None = None  # index Parquet path/URL for online verification
     dump_max_count: int = 0  # mismatching tensors to dump as safetensors (0: off)
     dump_max_bytes: int = 256 << 20
@@ -94,8 +94,8 @@ class TraceConfig:
         return conf._checked()
 
     def _checked(self) -> "TraceConfig":
-        if self.chunk_digests not in CHUNK_FP_MODES:
-            raise MoetraceError(f"chunk_digests: {self.chunk_digests!r}; expected one of {list(CHUNK_FP_MODES)}")
+        if self.chunk_digests not in CHUNK_DIGEST_MODES:
+            raise MoetraceError(f"chunk_digests: {self.chunk_digests!r}; expected one of {list(CHUNK_DIGEST_MODES)}")
         if not isinstance(self.resident_cache, bool):
             raise MoetraceError(f"resident_cache: {self.resident_cache!r}; expected true or false")
         if self.kt not in KT_MODES:
