@@ -224,14 +224,74 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
     listed_rows = [run.ranks[label].part_rows[p] for run in runs for label in sorted(run.ranks, key=label_key)
                    for p in run.ranks[label].parts]
     vocabs = (Vocab(), Vocab(TENSOR_NAMES), Vocab(), Vocab(MODELS))
-    skipped: dict[int, str] = {}
-    versions: dict[int, str] = {}
+    failed = _Failures()
     workers = threads or min(4, os.cpu_count() or 1, max(1, len(parts)))
+    opened = _open_parts(parts, listed_rows, workers, failed)
+    counts = np.array([pf.metadata.num_rows if pf is not None else 0 for pf in opened], dtype=np.int64)
+    starts = np.r_[0, np.cumsum(counts)]
+    cols = {k: np.empty(int(starts[-1]), dtype=dt) for k, dt in COL_DTYPES.items()}
 
-    def why(err: BaseException) -> str:
-        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    def read_one(i: int):  # each part straight into its slice
+        try:
+            return _fill_part(opened[i], parts[i][1], i, cols, int(starts[i]), vocabs, part_rank[i])
+        except (_SchemaVersion, MoetraceError) as err:
+            return err
+        except _READ_ERRORS as err:
+            return _first_line(err)
 
-    # pass 1: footers (row counts), column check
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moetrace-read") as pool:
+        outcomes = list(pool.map(read_one, [i for i, pf in enumerate(opened) if pf is not None]))
+    ok = np.array([pf is not None for pf in opened], dtype=bool)
+    for i, res in zip([i for i, pf in enumerate(opened) if pf is not None], outcomes):
+        if isinstance(res, (MoetraceError, _SchemaVersion, str)):
+            ok[i] = False
+            failed.note(i, res)
+            continue
+        if counts[i]:
+            failed.versions.setdefault(TRACE_SCHEMA_VERSION, parts[i][1])
+        run = part_run[i]
+        for name, vals, want in (("tp_size", res[0], run.tp_size), ("ep_size", res[1], run.ep_size)):
+            if vals and vals != {want}:
+                raise MoetraceError(f"trace part {parts[i][1]} has {name} {sorted(vals)} but its manifest says {want}")
+    _check_versions(failed.versions)
+    if not ok.all() and counts[~ok].sum():
+        keep = np.repeat(ok, counts)
+        cols = {k: v[keep] for k, v in cols.items()}
+    data = TraceData(runs=runs, cols=cols, run_ids=vocabs[0], tensors=vocabs[1], dtypes=vocabs[2],
+                     parts=parts, skipped_parts=[(parts[i][1], failed.skipped[i]) for i in sorted(failed.skipped)],
+                     labels=labels, models=vocabs[3])
+    _check_rows_against_manifests(data)
+    return data
+
+
+_READ_ERRORS = (pa.ArrowException, OSError, ValueError, EOFError, KeyError)
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+class _Failures:
+    """Parts that could not be used: skipped (index -> why) or of another schema version
+    (version -> a part that has it); a MoetraceError is the whole trace's and is raised."""
+
+    def __init__(self):
+        self.skipped: dict[int, str] = {}
+        self.versions: dict[int, str] = {}
+
+    def note(self, i: int, err) -> None:
+        if isinstance(err, MoetraceError):
+            raise err
+        if isinstance(err, _SchemaVersion):
+            for v in err.versions:
+                self.versions.setdefault(v, err.path)
+        else:
+            self.skipped[i] = err
+
+
+def _open_parts(parts, listed_rows: list[int], workers: int, failed: _Failures) -> list:
+    """Each part's Parquet footer (None when unusable, noted in ``failed``), columns checked."""
+
     def open_one(i: int):
         fs, p = parts[i]
         try:
@@ -243,68 +303,15 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
             return pf, None
         except (_SchemaVersion, MoetraceError) as err:
             return None, err
-        except (pa.ArrowException, OSError, ValueError, EOFError, KeyError) as err:
-            return None, why(err)
+        except _READ_ERRORS as err:
+            return None, _first_line(err)
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moetrace-read") as pool:
         opened = list(pool.map(open_one, range(len(parts))))
     for i, (_, err) in enumerate(opened):
-        if isinstance(err, MoetraceError):
-            raise err
-        if isinstance(err, _SchemaVersion):
-            for v in err.versions:
-                versions.setdefault(v, err.path)
-        elif err is not None:
-            skipped[i] = err
-    counts = np.array([pf.metadata.num_rows if pf is not None else 0 for pf, _ in opened], dtype=np.int64)
-    starts = np.r_[0, np.cumsum(counts)]
-    cols = {k: np.empty(int(starts[-1]), dtype=dt) for k, dt in COL_DTYPES.items()}
-    ok = np.ones(len(parts), dtype=bool)
-
-    # pass 2: read each part straight into its slice
-    def read_one(i: int):
-        pf = opened[i][0]
-        if pf is None:
-            return None
-        try:
-            return _fill_part(pf, parts[i][1], i, cols, int(starts[i]), vocabs, part_rank[i])
-        except (_SchemaVersion, MoetraceError) as err:
-            return err
-        except (pa.ArrowException, OSError, ValueError, EOFError, KeyError) as err:
-            return why(err)
-
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moetrace-read") as pool:
-        outcomes = list(pool.map(read_one, range(len(parts))))
-    for i, res in enumerate(outcomes):
-        if res is None:
-            ok[i] = False
-        elif isinstance(res, MoetraceError):
-            raise res
-        elif isinstance(res, _SchemaVersion):
-            ok[i] = False
-            for v in res.versions:
-                versions.setdefault(v, res.path)
-        elif isinstance(res, str):
-            ok[i] = False
-            skipped[i] = res
-        else:
-            if counts[i]:
-                versions.setdefault(TRACE_SCHEMA_VERSION, parts[i][1])
-            run = part_run[i]
-            for name, vals, want in (("tp_size", res[0], run.tp_size), ("ep_size", res[1], run.ep_size)):
-                if vals and vals != {want}:
-                    raise MoetraceError(
-                        f"trace part {parts[i][1]} has {name} {sorted(vals)} but its manifest says {want}"
-                    )
-    _check_versions(versions)
-    if not ok.all() and counts[~ok].sum():
-        keep = np.repeat(ok, counts)
-        cols = {k: v[keep] for k, v in cols.items()}
-    data = TraceData(runs=runs, cols=cols, run_ids=vocabs[0], tensors=vocabs[1], dtypes=vocabs[2],
-                     parts=parts, skipped_parts=[(parts[i][1], skipped[i]) for i in sorted(skipped)],
-                     labels=labels, models=vocabs[3])
-    _check_rows_against_manifests(data)
-    return data
+        if err is not None:
+            failed.note(i, err)
+    return [pf for pf, _ in opened]
 
 
 def _check_rows_against_manifests(data: TraceData) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from moetrace.checkpoints.spec import SHARED_EXPERT_MODULES, MoESpec, _verify_against_tensors
+from moetrace.checkpoints.spec import SHARED_EXPERT_MODULES, MoESpec, verify_against_tensors
 from moetrace.errors import MoetraceError
 
 DRAFT_PREFIX = "mtp"
@@ -58,26 +58,6 @@ def draft_spec(spec: MoESpec, dtypes: Mapping[str, str]) -> tuple[MoESpec | None
         return None, f"the checkpoint has no {first}.* tensors"
     draft = replace(spec, prefix=DRAFT_PREFIX, num_layers=1, moe_layers=(0,), shared_experts=0)
     try:
-        return _verify_against_tensors(draft, dtypes, f"draft model ({DRAFT_PREFIX}.*)"), ""
+        return verify_against_tensors(draft, dtypes, f"draft model ({DRAFT_PREFIX}.*)"), ""
     except MoetraceError as err:  # e.g. a BF16 MTP module beside FP8 routed experts
         return None, str(err)
-
-
-def draft_checkpoint(ckpt):
-    """(a Checkpoint over the draft model's tensors, "") or (None, why not). Its shards
-    are read and checked exactly like the target's (same files, prefix ``mtp``)."""
-    from moetrace.checkpoints.reader import Checkpoint, _check_expert_coverage
-
-    if getattr(ckpt, "draft_problem", None):
-        return None, ckpt.draft_problem
-    spec, why = draft_spec(ckpt.spec, {n: t.dtype for n, t in ckpt.draft_tensors.items()})
-    if spec is None:
-        return None, why
-    draft = Checkpoint(ckpt.path, ckpt.config, ckpt._config_bytes, spec, dict(ckpt.draft_tensors))
-    try:
-        _check_expert_coverage(spec, draft.tensors, ckpt.path)
-        for name in draft.tensors:
-            draft.check(name)
-    except MoetraceError as err:
-        return None, str(err)
-    return draft, ""

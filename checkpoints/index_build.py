@@ -29,8 +29,7 @@ from moetrace import fingerprint as fpdef
 from moetrace import storage
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
-from moetrace.checkpoints.reader import Checkpoint, open_checkpoint
-from moetrace.checkpoints.extra import draft_checkpoint
+from moetrace.checkpoints.reader import Checkpoint, draft_checkpoint, open_checkpoint
 from moetrace.checkpoints.shards import Parallel, expected_experts, validate_moe_tp
 from moetrace.checkpoints.spec import MoESpec
 from moetrace.errors import MoetraceError

@@ -1,11 +1,10 @@
 """Open a HF-style safetensors checkpoint: config.json, the weight map, and sliced
 reads of single tensors.
 
-Headers are parsed here (8-byte little-endian length + JSON) rather than trusted
-to safetensors, so that a truncated or garbled file, or an index naming a tensor
-its file lacks, fails at open with a one-line error naming the file. Tensor data
-is read through `safe_open(...).get_slice(name)[a:b]`, so only the rows a rank
-needs are read, never the whole checkpoint.
+Every file's header is parsed and checked at open (checkpoints.safetensors_file), so a
+truncated or garbled file, or an index naming a tensor its file lacks, fails at open
+with a one-line error naming the file. Only the rows a rank needs are read, never the
+whole checkpoint.
 """
 
 from __future__ import annotations
@@ -15,91 +14,21 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import safe_open
 
-from moetrace.checkpoints.extra import DRAFT_PREFIX, shared_expert_count
+from moetrace.checkpoints.extra import DRAFT_PREFIX, draft_spec, shared_expert_count
+from moetrace.checkpoints.safetensors_file import DTYPE_BYTES, TORCH_DTYPES, TensorInfo, host_copy, read_header
 from moetrace.checkpoints.spec import MoESpec, expert_tensor_name, fused_tensor_name, is_ignored, spec_from_config
 from moetrace.errors import MoetraceError
 from moetrace.schema import format_ids
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-# safetensors itself refuses headers above 100 MB; so do we, before allocating.
-MAX_HEADER_BYTES = 100_000_000
-
-DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
 SCALE_DTYPES = ("F32", "BF16", "F16")
-_TORCH_DTYPES = {
-    "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I16": torch.int16, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "F32": torch.float32,
-    "I64": torch.int64, "F64": torch.float64,
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor as its file's header describes it."""
-
-    name: str
-    file: Path
-    dtype: str  # safetensors dtype string, e.g. "F8_E4M3"
-    shape: tuple[int, ...]
-    offsets: tuple[int, int]  # data_offsets, relative to the end of the header
-    data_start: int = 0  # file offset where the data section begins (8 + header length)
-
-
-def read_header(path: str | Path) -> dict[str, TensorInfo]:
-    """Parse and sanity-check a safetensors header; every failure names the file."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise MoetraceError(f"{path}: truncated safetensors file ({size} bytes, no 8-byte header length)")
-            n = int.from_bytes(head, "little")
-            if n > MAX_HEADER_BYTES or n > size - 8:
-                raise MoetraceError(
-                    f"{path}: truncated or not a safetensors file (header length {n} bytes, file has {size} bytes)"
-                )
-            raw = f.read(n)
-    except OSError as err:
-        raise MoetraceError(f"{path}: cannot read ({err.strerror or err})") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise MoetraceError(f"{path}: garbled safetensors header JSON ({err})") from None
-    if not isinstance(header, dict):
-        raise MoetraceError(f"{path}: garbled safetensors header (not a JSON object)")
-    data_size = size - 8 - n
-    out: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (a, b) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            ok = (
-                dtype in DTYPE_BYTES
-                and all(isinstance(d, int) and d >= 0 for d in shape)
-                and isinstance(a, int)
-                and isinstance(b, int)
-                and 0 <= a <= b <= data_size
-                and b - a == math.prod(shape) * DTYPE_BYTES[dtype]
-            )
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise MoetraceError(f"{path}: garbled or truncated safetensors header entry for tensor {name}: {entry!r}")
-        out[name] = TensorInfo(name, path, dtype, shape, (a, b), 8 + n)
-    return out
 
 
 def _read_json(path: Path, what: str) -> tuple[dict, bytes]:
@@ -241,8 +170,8 @@ class Checkpoint:
         """
         t = self.check(name)
         simple_rows = rows is None or not (isinstance(rows, tuple) and rows and not isinstance(rows[0], int))
-        if (into is not None and cols is None and simple_rows and t.dtype in _TORCH_DTYPES
-                and into.dtype == _TORCH_DTYPES[t.dtype] and into.is_contiguous()):
+        if (into is not None and cols is None and simple_rows and t.dtype in TORCH_DTYPES
+                and into.dtype == TORCH_DTYPES[t.dtype] and into.is_contiguous()):
             return self._pread_rows(t, None if rows is None else _as_slice(rows, t.shape[0], name, t.file), into)
         out = self._read(t, name, rows, cols, into)
         return out if into is None or out is into else host_copy(out, into)
@@ -256,7 +185,7 @@ class Checkpoint:
                 raise MoetraceError(f"{t.file}: cannot open with safetensors ({err})") from None
         try:
             simple_rows = rows is None or not (isinstance(rows, tuple) and rows and not isinstance(rows[0], int))
-            if simple_rows and t.dtype in _TORCH_DTYPES:
+            if simple_rows and t.dtype in TORCH_DTYPES:
                 out = self._pread_rows(t, None if rows is None else _as_slice(rows, t.shape[0], name, t.file))
             elif rows is None:
                 out = handle.get_tensor(name)
@@ -288,7 +217,7 @@ class Checkpoint:
         a, b = (0, shape[0] if shape else 1) if rows is None else (rows.start, rows.stop)
         if shape:
             shape[0] = b - a
-        out = torch.empty(shape, dtype=_TORCH_DTYPES[t.dtype]) if into is None else into
+        out = torch.empty(shape, dtype=TORCH_DTYPES[t.dtype]) if into is None else into
         if list(out.shape) != shape:
             raise MoetraceError(f"{t.name} in {t.file.name}: rows [{a}, {b}) are {shape}, the destination is {list(out.shape)}")
         buf = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
@@ -440,19 +369,19 @@ def _check_expert_coverage(spec: MoESpec, tensors: dict[str, TensorInfo], root: 
             raise MoetraceError(f"{name}: expert id past config.json's {spec.num_experts} routed experts")
 
 
-def host_copy(src: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy a CPU tensor (any strides) with numpy on its bytes: torch's CPU copy of
-    strided uint8/fp8 runs at 1-3 GB/s here, numpy's at 30 (docs/benchmarks.md)."""
-    if dst is None:
-        dst = torch.empty(src.shape, dtype=src.dtype)
-    if src.dtype != dst.dtype:  # a cast (bf16 scales held as fp32): small tensors, torch does it
-        dst.copy_(src)
-    elif src.numel():
-        np.copyto(_byte_view(dst), _byte_view(src))
-    return dst
-
-
-def _byte_view(t: torch.Tensor) -> np.ndarray:
-    """A numpy uint8 view of t's elements with one extra last axis of itemsize bytes."""
-    u8 = t.view(torch.uint8) if t.element_size() == 1 else t.unsqueeze(-1).view(torch.uint8)
-    return u8.numpy()
+def draft_checkpoint(ckpt):
+    """(a Checkpoint over the draft model's tensors, "") or (None, why not). Its shards
+    are read and checked exactly like the target's (same files, prefix ``mtp``)."""
+    if getattr(ckpt, "draft_problem", None):
+        return None, ckpt.draft_problem
+    spec, why = draft_spec(ckpt.spec, {n: t.dtype for n, t in ckpt.draft_tensors.items()})
+    if spec is None:
+        return None, why
+    draft = Checkpoint(ckpt.path, ckpt.config, ckpt._config_bytes, spec, dict(ckpt.draft_tensors))
+    try:
+        _check_expert_coverage(spec, draft.tensors, ckpt.path)
+        for name in draft.tensors:
+            draft.check(name)
+    except MoetraceError as err:
+        return None, str(err)
+    return draft, ""

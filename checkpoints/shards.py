@@ -24,7 +24,8 @@ import torch
 
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
 from moetrace.checkpoints.quant_config import held_scale_names
-from moetrace.checkpoints.reader import Checkpoint, host_copy
+from moetrace.checkpoints.reader import Checkpoint
+from moetrace.checkpoints.safetensors_file import host_copy
 from moetrace.checkpoints.spec import MoESpec, expert_tensor_name, fused_tensor_name
 from moetrace.checkpoints.transforms import apply_transforms
 from moetrace.errors import MoetraceError

@@ -205,10 +205,10 @@ def spec_from_config(config: Mapping, path: str | Path, tensors: Mapping[str, st
         raise MoetraceError(f"{where}: the config declares no MoE layers")
     if tensors is None:
         return spec
-    return _verify_against_tensors(spec, tensors, where)
+    return verify_against_tensors(spec, tensors, where)
 
 
-def _verify_against_tensors(spec: MoESpec, tensors: Mapping[str, str], where: str) -> MoESpec:
+def verify_against_tensors(spec: MoESpec, tensors: Mapping[str, str], where: str) -> MoESpec:
     """The config says what the format should be; the names and dtypes say what it
     is. Disagreement is an error naming both, never a silent guess."""
     layer = spec.moe_layers[0]

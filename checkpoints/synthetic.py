@@ -262,82 +262,100 @@ def write_synthetic_checkpoint(
     if out.exists() and any(out.iterdir()):
         raise MoetraceError(f"-o {out}: output path exists and is not an empty directory")
 
+    w = _Tensors(fmt, quant_method, block, hidden, intermediate, SCALE_DTYPES[scale_dtype], seed)
     prefix = "model.language_model" if family == "qwen3_5_moe" else "model"
-    H, I, E = hidden, intermediate, num_experts
-    sdt = SCALE_DTYPES[scale_dtype]
-    wdt = torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn
-    g = torch.Generator().manual_seed(seed)
-
-    def filler(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(torch.bfloat16)
-
-    tensors: dict[str, torch.Tensor] = {}
-
-    def expert_weight(L: int, e: int, p: int) -> torch.Tensor:
-        return synthetic_values(L, e, p, *_grid(*((H, I) if p == 2 else (I, H))), "weight", wdt, seed)
-
-    def write_expert(name: str, L: int, e: int, p: int) -> None:
-        """`name` (…{proj}_proj) and its scale: expert e of value-layer L."""
-        out_dim, in_dim = (H, I) if p == 2 else (I, H)
-        tensors[f"{name}.weight"] = expert_weight(L, e, p)
-        if fmt != "bf16":
-            shape = _scale_shape(fmt, quant_method, out_dim, in_dim, block)
-            grid = _grid(*shape) if len(shape) == 2 else (torch.zeros(shape, dtype=torch.int64),) * 2
-            tensors[f"{name}.{scale_suffix(fmt, quant_method)}"] = synthetic_values(L, e, p, *grid, "scale", sdt, seed)
-
-    tensors[f"{prefix}.embed_tokens.weight"] = filler(16, H)
+    w.tensors[f"{prefix}.embed_tokens.weight"] = w.filler(16, hidden)
     for L in range(num_layers):
-        pre = f"{prefix}.layers.{L}"
-        tensors[f"{pre}.input_layernorm.weight"] = filler(H)
-        if L < dense_layers:
-            for p, shape in (("gate", (8, H)), ("up", (8, H)), ("down", (H, 8))):
-                tensors[f"{pre}.mlp.{p}_proj.weight"] = filler(*shape)
-            continue
-        tensors[f"{pre}.mlp.gate.weight"] = filler(E, H)  # router: "mlp.gate", not an expert
-        if fused:
-            tensors[f"{pre}.mlp.experts.gate_up_proj"] = torch.stack(
-                [torch.cat([expert_weight(L, e, 0), expert_weight(L, e, 1)]) for e in range(E)]
-            )
-            tensors[f"{pre}.mlp.experts.down_proj"] = torch.stack([expert_weight(L, e, 2) for e in range(E)])
-        else:
-            for e in range(E):
-                for p, proj in enumerate(PROJ_NAMES):
-                    write_expert(f"{pre}.mlp.experts.{e}.{proj}_proj", L, e, p)
-        if family == "deepseek_v3":
-            tensors[f"{pre}.mlp.gate.e_score_correction_bias"] = torch.zeros(E)
-            shared = f"{pre}.mlp.shared_experts"
-        elif family in ("qwen3_next", "qwen3_5_moe"):
-            tensors[f"{pre}.mlp.shared_expert_gate.weight"] = filler(1, H)
-            shared = f"{pre}.mlp.shared_expert"
-        else:
-            shared = None
-        if shared and shared_expert:
-            for p, proj in enumerate(PROJ_NAMES):
-                write_expert(f"{shared}.{proj}_proj", L, E, p)
-        elif shared:
-            for p, shape in (("gate", (8, H)), ("up", (8, H)), ("down", (H, 8))):
-                tensors[f"{shared}.{p}_proj.weight"] = filler(*shape)
-    # Expert-looking tensors that are not routed decoder experts; their shapes
-    # are deliberately wrong, so reading one by mistake fails loudly.
-    if family == "deepseek_v3":  # MTP layer, stored as layer num_hidden_layers
-        tensors[f"model.layers.{num_layers}.mlp.experts.0.gate_proj.weight"] = filler(8, H)
-        tensors[f"model.layers.{num_layers}.eh_proj.weight"] = filler(H, 2 * H)
-    if family == "qwen3_5_moe" and draft:
-        for e in range(E):
-            for p, proj in enumerate(PROJ_NAMES):
-                write_expert(f"mtp.layers.0.mlp.experts.{e}.{proj}_proj", DRAFT_VALUE_LAYER, e, p)
-    elif family == "qwen3_5_moe":
-        tensors["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = filler(8, H)
-    if family == "qwen3_5_moe":
-        tensors["mtp.fc.weight"] = filler(H, 2 * H)
-        tensors["model.visual.blocks.0.attn.qkv.weight"] = filler(24, 8)
-        tensors["model.visual.blocks.0.mlp.experts.0.gate_proj.weight"] = filler(8, 8)
-    tensors["lm_head.weight"] = filler(16, H)
+        _write_layer(w, family, f"{prefix}.layers.{L}", L, num_experts, L < dense_layers, fused, shared_expert)
+    _write_not_routed(w, family, num_layers, num_experts, draft)
+    w.tensors["lm_head.weight"] = w.filler(16, hidden)
 
-    cfg = _config(family, fmt, num_layers, E, H, I, dense_layers, None if fmt == "bf16" else (quant_method, block), seed)
+    cfg = _config(family, fmt, num_layers, num_experts, hidden, intermediate, dense_layers,
+                  None if fmt == "bf16" else (quant_method, block), seed)
     with storage.new_local_dir(str(out), "-o") as tmp:  # whole or nothing: never a folder with only config.json
-        _write_files(Path(tmp), cfg, tensors, num_files, save_file)
+        _write_files(Path(tmp), cfg, w.tensors, num_files, save_file)
     return out
+
+
+class _Tensors:
+    """The checkpoint's tensors in write order (file assignment and filler values follow it)."""
+
+    def __init__(self, fmt: str, quant_method: str | None, block, hidden: int, intermediate: int, sdt, seed: int):
+        self.fmt, self.quant_method, self.block, self.H, self.I, self.sdt, self.seed = (
+            fmt, quant_method, block, hidden, intermediate, sdt, seed)
+        self.wdt = torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn
+        self.g = torch.Generator().manual_seed(seed)
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def filler(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.g).to(torch.bfloat16)
+
+    def small_mlp(self, name: str) -> None:
+        for p, shape in (("gate", (8, self.H)), ("up", (8, self.H)), ("down", (self.H, 8))):
+            self.tensors[f"{name}.{p}_proj.weight"] = self.filler(*shape)
+
+    def expert_weight(self, L: int, e: int, p: int) -> torch.Tensor:
+        return synthetic_values(L, e, p, *_grid(*self._dims(p)), "weight", self.wdt, self.seed)
+
+    def expert(self, name: str, L: int, e: int) -> None:
+        """`name`.{gate,up,down}_proj weights and scales: expert e of value-layer L."""
+        for p, proj in enumerate(PROJ_NAMES):
+            self.tensors[f"{name}.{proj}_proj.weight"] = self.expert_weight(L, e, p)
+            if self.fmt != "bf16":
+                shape = _scale_shape(self.fmt, self.quant_method, *self._dims(p), self.block)
+                grid = _grid(*shape) if len(shape) == 2 else (torch.zeros(shape, dtype=torch.int64),) * 2
+                scale = f"{name}.{proj}_proj.{scale_suffix(self.fmt, self.quant_method)}"
+                self.tensors[scale] = synthetic_values(L, e, p, *grid, "scale", self.sdt, self.seed)
+
+    def _dims(self, p: int) -> tuple[int, int]:  # (out, in) of projection p
+        return (self.H, self.I) if p == 2 else (self.I, self.H)
+
+
+def _write_layer(w: _Tensors, family: str, pre: str, L: int, E: int, dense: bool, fused: bool,
+                 shared_expert: bool) -> None:
+    w.tensors[f"{pre}.input_layernorm.weight"] = w.filler(w.H)
+    if dense:
+        w.small_mlp(f"{pre}.mlp")
+        return
+    w.tensors[f"{pre}.mlp.gate.weight"] = w.filler(E, w.H)  # router: "mlp.gate", not an expert
+    if fused:
+        w.tensors[f"{pre}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([w.expert_weight(L, e, 0), w.expert_weight(L, e, 1)]) for e in range(E)])
+        w.tensors[f"{pre}.mlp.experts.down_proj"] = torch.stack([w.expert_weight(L, e, 2) for e in range(E)])
+    else:
+        for e in range(E):
+            w.expert(f"{pre}.mlp.experts.{e}", L, e)
+    if family == "deepseek_v3":
+        w.tensors[f"{pre}.mlp.gate.e_score_correction_bias"] = torch.zeros(E)
+        shared = f"{pre}.mlp.shared_experts"
+    elif family in ("qwen3_next", "qwen3_5_moe"):
+        w.tensors[f"{pre}.mlp.shared_expert_gate.weight"] = w.filler(1, w.H)
+        shared = f"{pre}.mlp.shared_expert"
+    else:
+        return
+    if shared_expert:  # the values of expert id E, the slot SGLang fuses it into
+        w.expert(shared, L, E)
+    else:
+        w.small_mlp(shared)
+
+
+def _write_not_routed(w: _Tensors, family: str, num_layers: int, E: int, draft: bool) -> None:
+    """Expert-looking tensors that are not routed decoder experts; their shapes are
+    deliberately wrong, so reading one by mistake fails loudly (the draft's experts aside)."""
+    H = w.H
+    if family == "deepseek_v3":  # MTP layer, stored as layer num_hidden_layers
+        w.tensors[f"model.layers.{num_layers}.mlp.experts.0.gate_proj.weight"] = w.filler(8, H)
+        w.tensors[f"model.layers.{num_layers}.eh_proj.weight"] = w.filler(H, 2 * H)
+    if family != "qwen3_5_moe":
+        return
+    if draft:
+        for e in range(E):
+            w.expert(f"mtp.layers.0.mlp.experts.{e}", DRAFT_VALUE_LAYER, e)
+    else:
+        w.tensors["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = w.filler(8, H)
+    w.tensors["mtp.fc.weight"] = w.filler(H, 2 * H)
+    w.tensors["model.visual.blocks.0.attn.qkv.weight"] = w.filler(24, 8)
+    w.tensors["model.visual.blocks.0.mlp.experts.0.gate_proj.weight"] = w.filler(8, 8)
 
 
 def _write_files(out: Path, cfg: dict, tensors: dict[str, torch.Tensor], num_files: int, save_file) -> None:

@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moetrace.checkpoints.reader import open_checkpoint, read_header
+from moetrace.checkpoints.reader import open_checkpoint
+from moetrace.checkpoints.safetensors_file import read_header
 from moetrace.checkpoints.shards import Parallel, expected_layer
 from moetrace.checkpoints.spec import spec_from_config
 from moetrace.errors import MoetraceError

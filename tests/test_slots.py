@@ -294,7 +294,7 @@ def test_guard_verifies_eplb_slots_and_the_draft_by_model(server, tmp_path):
     """The in-server guard reads the rows of its moe_tp_rank: EPLB slots (a redundant copy
     included) match, a pass over every layer's held slots is full coverage, and the draft's
     layer 0 is compared with the draft's rows, never the target's layer 0."""
-    from moetrace.checkpoints.extra import draft_checkpoint
+    from moetrace.checkpoints.reader import draft_checkpoint
     from moetrace.checkpoints.reader import open_checkpoint
     from moetrace.checkpoints.shards import Parallel, expected_experts
     from moetrace.tracer.capture import Tracer
