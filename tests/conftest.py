@@ -131,7 +131,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    if not session.items:  # the xdist controller collects nothing; its workers start the jobs
+    if not session.items or session.config.option.collectonly:  # the xdist controller collects nothing
         return
     from support import session_jobs
 
