@@ -60,9 +60,11 @@ def test_selftest_detector_on_the_demo_pair(demo_run, monkeypatch, tmp_path):
     assert proof["data"]["unfenced_exit"] == 1 and proof["data"]["fenced_exit"] == 0
     if os.environ.get("MOETRACE_REQUIRE_FORK") == "1":  # make test: the pair ran the fork's own staging code
         assert proof["data"]["transport"] == "fork" and "sglang-kt 0.7.2" in proof["detail"]
-    # the same pair with the fenced run swapped for the unfenced one: the proof fails, exit 1
-    monkeypatch.setattr(demo, "run_pair", lambda *a, **k: {**demo_pair(*a, **k), "runs": {
-        "unfenced": demo_pair(*a)["runs"]["unfenced"], "fenced": demo_pair(*a)["runs"]["unfenced"]}})
+    def unfenced_twice(*args, **kw):  # the fenced run replaced by the unfenced one: the proof must fail
+        runs = demo_pair(*args, **kw)["runs"]
+        return {**demo_pair(*args, **kw), "runs": {"unfenced": runs["unfenced"], "fenced": runs["unfenced"]}}
+
+    monkeypatch.setattr(demo, "run_pair", unfenced_twice)
     code, proofs = st.run_selftest("cpu", quick=True, workdir=str(tmp_path), only=("detector",))
     assert code == 1 and proofs[0].ok is False and "fenced run is not a clean" in proofs[0].detail
 
