@@ -239,10 +239,11 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
         except _READ_ERRORS as err:
             return _first_line(err)
 
+    usable = [i for i, pf in enumerate(opened) if pf is not None]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moetrace-read") as pool:
-        outcomes = list(pool.map(read_one, [i for i, pf in enumerate(opened) if pf is not None]))
+        outcomes = list(pool.map(read_one, usable))
     ok = np.array([pf is not None for pf in opened], dtype=bool)
-    for i, res in zip([i for i, pf in enumerate(opened) if pf is not None], outcomes):
+    for i, res in zip(usable, outcomes):
         if isinstance(res, (MoetraceError, _SchemaVersion, str)):
             ok[i] = False
             failed.note(i, res)

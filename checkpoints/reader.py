@@ -3,8 +3,9 @@ reads of single tensors.
 
 Every file's header is parsed and checked at open (checkpoints.safetensors_file), so a
 truncated or garbled file, or an index naming a tensor its file lacks, fails at open
-with a one-line error naming the file. Only the rows a rank needs are read, never the
-whole checkpoint.
+with a one-line error naming the file. Tensor data is read at the header's offsets (pread;
+`safe_open(...).get_slice(name)` for ranges over several leading dimensions), so only
+the rows a rank needs are read, never the whole checkpoint.
 """
 
 from __future__ import annotations

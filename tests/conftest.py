@@ -10,7 +10,6 @@ own index cache.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -92,20 +91,11 @@ def ckpt_copy(make_ckpt, tmp_path):
 
 
 def once_per_session(tmp_path_factory, name: str, make) -> dict:
-    """make(folder) -> JSON-able dict, run once for the whole test session even with
-    pytest-xdist workers (they share the base temp folder's parent): the first caller
-    runs it under a file lock, the others read its result."""
-    import fcntl
+    """make(folder) -> JSON-able dict, run in this process once for the whole session
+    (support.session_jobs.once)."""
+    from support import session_jobs
 
-    root = _session_root(tmp_path_factory)
-    done = root / f"{name}.json"
-    with open(root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            folder = root / name
-            folder.mkdir(exist_ok=True)
-            done.write_text(json.dumps(make(folder)))
-    return json.loads(done.read_text())
+    return session_jobs.once(_session_root(tmp_path_factory), name, make)
 
 
 @dataclass

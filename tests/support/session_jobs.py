@@ -1,7 +1,9 @@
-"""The suite's expensive whole-session runs (the demo pair, the GPU script's dry run),
-started in the background as soon as collection shows that a selected test needs one, so
-they run beside the cheap tests instead of holding a worker; their fixtures wait for the
-result. Each run happens once per session, whichever pytest-xdist worker starts it.
+"""Runs that happen once per test session, whichever pytest-xdist worker asks first.
+
+Jobs (the demo pair, the GPU script's dry run) are commands started in the background as
+soon as collection shows that a selected test needs one, so they run beside the cheap
+tests instead of holding a worker; their fixtures wait for the result. ``once`` runs a
+function in the asking process under a file lock, for module-scoped servers.
 
     python -m support.session_jobs NAME FOLDER RESULT   (what start() runs)
 
@@ -88,6 +90,19 @@ def _alive(pid: int) -> bool:
         except (OSError, IndexError):
             return False
         return state != "Z"
+
+
+def once(root: Path, name: str, make: Callable[[Path], dict]) -> dict:
+    """make(folder) -> JSON-able dict, run once under ``root``: the first caller runs it
+    under a file lock, the others read its result."""
+    done = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            folder = root / name
+            folder.mkdir(exist_ok=True)
+            done.write_text(json.dumps(make(folder)))
+    return json.loads(done.read_text())
 
 
 def main(name: str, folder: str, result_path: str) -> None:
