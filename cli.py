@@ -131,8 +131,8 @@ def make_checkpoint(family, fmt, quant_method, block, fused, layers, experts, hi
 @click.option("--up-first", is_flag=True, help="w13 holds up rows before gate rows (flashinfer-trtllm runner).")
 @click.option("--layout-from", "layout_from", default=None, metavar="TRACE",
               help="Build for the layout a trace recorded (order, padding, reproduced transforms; docs/compat.md).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where to fingerprint; the digests are bit-identical on both.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where to fingerprint (auto: CUDA when present); the digests are bit-identical on both.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=str), help="Index Parquet file to write.")
 @click.option("--no-cache", is_flag=True, help="Rebuild even if the cache holds this index.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of text; no progress bar.")

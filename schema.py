@@ -40,9 +40,9 @@ import pyarrow as pa
 
 from moetrace.errors import MoetraceError
 
-INDEX_SCHEMA_VERSION = 2
-TRACE_SCHEMA_VERSION = 2
-MANIFEST_SCHEMA_VERSION = 2
+INDEX_SCHEMA_VERSION = 3  # 3: fingerprint v3 (XXH3-128 chunk digests)
+TRACE_SCHEMA_VERSION = 3
+MANIFEST_SCHEMA_VERSION = 3
 REPORT_SCHEMA, REPORT_SCHEMA_VERSION = "moetrace.analysis", 2
 DIFF_SCHEMA, DIFF_SCHEMA_VERSION = "moetrace.diff", 2
 CONFORM_SCHEMA, CONFORM_SCHEMA_VERSION = "moetrace.conform", 1

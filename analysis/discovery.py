@@ -220,15 +220,16 @@ def _rank_manifest(fs: pafs.FileSystem, rd: RankDir) -> RankManifest:
             f"{rd.display} has no {MANIFEST_NAME}: the tracer never started there or the folder is incomplete"
         )
     m = check_rank_manifest(_read_json(fs, rd.manifest_path, "manifest"), rd.manifest_path)
+    if m["fp_version"] != FP_VERSION:  # first: digests of two versions are never compared
+        raise MoetraceError(
+            f"manifest {rd.manifest_path} has fingerprint version {m['fp_version']!r}; this moetrace "
+            f"computes version {FP_VERSION}: capture the trace again with this moetrace "
+            "(and rebuild its index with `moetrace index`)"
+        )
     ver = m["schema_version"]
     if ver != MANIFEST_SCHEMA_VERSION:
         raise MoetraceError(
             f"manifest {rd.manifest_path} has schema_version {ver!r}; this moetrace reads version {MANIFEST_SCHEMA_VERSION}"
-        )
-    if m["fp_version"] != FP_VERSION:
-        raise MoetraceError(
-            f"manifest {rd.manifest_path} has fingerprint version {m['fp_version']!r}; this moetrace "
-            f"computes version {FP_VERSION}: capture the trace again with this moetrace"
         )
     if m["rank_label"] != rd.label:
         raise MoetraceError(f"manifest {rd.manifest_path} says rank {m['rank_label']} but sits in rank={rd.label}")

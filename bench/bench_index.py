@@ -10,6 +10,10 @@ through the index cache, then the same call again: the cache hit.
     python bench/bench_index.py               # one layer, 3 rounds
     python bench/bench_index.py --quick       # 32 experts
     python bench/bench_index.py --model       # 48 layers, H 512, I 256 (~4.9 GB)
+    python bench/bench_index.py --device cuda # on the GPU (pinned buffers, the kernel); checks
+                                              # its rows equal the CPU index's
+
+Target (issue 21): the index >= 0.67x a warm read of the same files. Prints the CPU model.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 
 from moetrace.checkpoints import index_build as ixb
 from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
-from moetrace.jobs.timing import median
+from moetrace.jobs.timing import cpu_description, median
 
 
 def read_files_once(root: Path) -> int:
@@ -67,18 +71,20 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
-def bench_layer(root: Path, tp: int, rounds: int) -> dict:
+def bench_layer(root: Path, tp: int, rounds: int, device: str = "cpu") -> dict:
     read_files_once(root)  # warm the page cache: both sides then read from memory
     reads, builds, stats = [], [], ixb.IndexStats()
     for _ in range(rounds):
         t_read, nbytes = timed(lambda: read_files_once(root))
         stats = ixb.IndexStats()
-        t_index, table = timed(lambda: ixb.build_index(root, tp, stats=stats))
+        t_index, table = timed(lambda: ixb.build_index(root, tp, device=device, stats=stats))
         reads.append(t_read)
         builds.append(t_index)
     busy = stats.seconds_read + stats.seconds_fingerprint
     t_read, t_index = median(reads), median(builds)
+    same = None if device == "cpu" else ixb.build_index(root, tp).equals(table)  # digests identical to the CPU's
     return {
+        "device": device, "device_index_equals_cpu": same,
         "checkpoint_bytes": nbytes, "rows": table.num_rows, "rounds": rounds,
         "read_once_s": round(t_read, 3), "index_s": round(t_index, 3),
         "read_once_GBps": round(nbytes / t_read / 1e9, 3), "index_GBps": round(nbytes / t_index / 1e9, 3),
@@ -116,6 +122,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="32 experts, 2 rounds")
     ap.add_argument("--model", action="store_true", help="a whole 48-layer model through the cache, then the cache hit")
     ap.add_argument("--workdir", default=None, help="keep the checkpoint here (default: a temp dir)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     experts = 32 if args.quick else args.experts
@@ -134,12 +141,13 @@ def main() -> None:
             if layers > 1:
                 t_rep, _ = timed(lambda: replicate_layers(one, root, layers))
                 t_write += t_rep
-        result = bench_model(root, args.tp) if args.model else bench_layer(root, args.tp, rounds)
-    result = {"layers": layers, "experts": experts, "hidden": hidden, "intermediate": inter, "tp": args.tp,
+        result = bench_model(root, args.tp) if args.model else bench_layer(root, args.tp, rounds, args.device)
+    result = {"cpu": cpu_description(), "layers": layers, "experts": experts, "hidden": hidden, "intermediate": inter, "tp": args.tp,
               **result, "synthetic_write_s": round(t_write, 1)}
     if args.json:
         print(json.dumps(result))
         return
+    print(result["cpu"])
     print(f"checkpoint: {layers} layer(s), {experts} experts, H {hidden}, I {inter}, "
           f"{result['checkpoint_bytes'] / 1e9:.2f} GB; index at TP{args.tp}")
     print(f"  read the files once      {result['read_once_s']:7.2f} s  {result['read_once_GBps']:6.2f} GB/s")
@@ -150,6 +158,8 @@ def main() -> None:
     else:
         print(f"  where index time goes    slice reads {result['share_slice_reads']:.0%}, "
               f"fingerprinting {result['share_fingerprint']:.0%} (thread-seconds)")
+        if result["device_index_equals_cpu"] is not None:
+            print(f"  {args.device} index rows equal the CPU index: {result['device_index_equals_cpu']}")
 
 
 if __name__ == "__main__":

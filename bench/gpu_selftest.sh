@@ -23,7 +23,7 @@ export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 missing=$("$py" - <<'PY'
 import importlib.util
-need = ["numpy", "torch", "safetensors", "pyarrow", "pandas", "click", "matplotlib"]
+need = ["numpy", "torch", "safetensors", "pyarrow", "pandas", "click", "matplotlib", "xxhash"]
 print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
 PY
 )
@@ -56,6 +56,10 @@ for part in ${SELFTEST_ONLY//,/ }; do only="$only --only $part"; done
 run selftest "$py" -m moetrace.cli selftest --device "$device" $quick $only --json
 run bench_fingerprint "$py" "$here/bench/bench_fingerprint.py" --device "$device" --json $quick
 run bench_capture "$py" "$here/bench/bench_capture.py" --device "$device" $quick
+# `moetrace index --device cuda`: pinned buffers to the kernel; its rows must equal the CPU index's.
+index_size="--experts 32 --rounds 2"
+[ "${DRY_RUN:-0}" = 1 ] && index_size="--experts 2 --rounds 1 --hidden 256 --intermediate 256"
+run bench_index "$py" "$here/bench/bench_index.py" --device "$device" $index_size --json
 run bench_fence "$py" "$here/bench/bench_fence.py" --device "$device" $quick
 # The guard on one full Qwen3.5-122B layer-load (256 experts; 2 in a dry run): target <= 2% of the pinned H2D copy.
 guard_size=""
@@ -95,6 +99,14 @@ try:
     print(f"| GPU target: guard <= 2% of a 122B layer-load | {verdict} |")
 except Exception as err:
     print(f"| bench_guard | no JSON ({err}) |")
+try:
+    ix = json.loads((out / "bench_index.out").read_text())
+    same = ix.get("device_index_equals_cpu")
+    print(f"| index on {ix['device']} ({ix['experts']} experts, TP{ix['tp']}) | {ix['index_GBps']} GB/s = "
+          f"{ix['index_throughput_vs_read_once']}x a warm read; rows equal the CPU index: "
+          f"{'n/a (CPU run)' if same is None else 'YES' if same else 'NO'} |")
+except Exception as err:
+    print(f"| bench_index | no JSON ({err}) |")
 for name in ("bench_capture", "bench_fence"):
     tail = (out / f"{name}.out").read_text().strip().splitlines()[-3:] if (out / f"{name}.out").exists() else ["missing"]
     print(f"| {name} | {' / '.join(tail)} |")

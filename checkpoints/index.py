@@ -61,13 +61,13 @@ def _checked_metadata(path, pf: pq.ParquetFile) -> dict:
         meta = json.loads(raw)
     except ValueError:
         raise MoetraceError(f"index {path}: garbled moetrace index metadata (rebuild it with `moetrace index`)") from None
+    if meta.get("fp_version") != fpdef.FP_VERSION:  # first: digests of two versions are never compared
+        raise MoetraceError(f"index {path}: fingerprint version {meta.get('fp_version')}, this moetrace computes "
+                            f"version {fpdef.FP_VERSION}; rebuild it with `moetrace index`")
     found = meta.get("schema_version")
     if found != INDEX_SCHEMA_VERSION:
         raise MoetraceError(f"index {path}: index schema version {found}, this moetrace reads version "
                             f"{INDEX_SCHEMA_VERSION}; rebuild it with `moetrace index`")
-    if meta.get("fp_version") != fpdef.FP_VERSION:
-        raise MoetraceError(f"index {path}: fingerprint version {meta.get('fp_version')}, this moetrace computes "
-                            f"version {fpdef.FP_VERSION}; rebuild it with `moetrace index`")
     missing = [c for c in REQUIRED_COLUMNS if c not in pf.schema_arrow.names]
     if missing:
         raise MoetraceError(f"index {path}: lacks column(s) {', '.join(missing)}; rebuild it with `moetrace index`")

@@ -75,6 +75,30 @@ _BLOCK_BYTES = 64 << 20  # expert bytes read and fingerprinted at a time: reused
 _BUFFERS = threading.local()  # per worker thread: the last block, refilled by the next one
 
 
+def resolve_device(device: str) -> str:
+    """--device auto: CUDA when torch sees a device, else the CPU; cuda without one: one line."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu" and not torch.cuda.is_available():
+        raise MoetraceError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    return device
+
+
+def _fingerprint_rows(stacked: torch.Tensor, device: str) -> list:
+    """One Fingerprint per expert row. On a GPU the bytes go through a pinned host buffer
+    (one per worker thread, reused) to the device and its kernel; the digests come back
+    with finalize's copy, which also ends the transfer before the buffer is refilled."""
+    rows = fpdef.row_bytes(stacked)
+    if device == "cpu":
+        return fpdef.finalize(fpdef.row_chunk_digests(rows), rows.shape[1])
+    pinned = getattr(_BUFFERS, "pinned", None)
+    if pinned is None or pinned.numel() < rows.numel():
+        pinned = _BUFFERS.pinned = torch.empty(max(rows.numel(), _BLOCK_BYTES), dtype=torch.uint8, pin_memory=True)
+    staged = pinned[: rows.numel()].view(rows.shape)
+    staged.copy_(rows)
+    return fpdef.finalize(fpdef.row_chunk_digests(staged.to(device, non_blocking=True)), rows.shape[1])
+
+
 def _layer_rows(ckpt: Checkpoint, model: str, par: Parallel, layer: int, moe_tp_rank: int, device: str,
                 stats: IndexStats) -> dict[str, list]:
     """Every expert's rows (routed, then the fused shared one) for one (model, layer, moe_tp_rank)."""
@@ -87,7 +111,7 @@ def _layer_rows(ckpt: Checkpoint, model: str, par: Parallel, layer: int, moe_tp_
         shards = expected_experts(ckpt, layer, moe_tp_rank, par, experts, getattr(_BUFFERS, "last", None))
         t1 = time.perf_counter()
         for name, stacked in shards.items():
-            _add_rows(cols, name, stacked, fpdef.fingerprint_rows(stacked.to(device)), first, stats)
+            _add_rows(cols, name, stacked, _fingerprint_rows(stacked, device), first, stats)
         stats.seconds_read += t1 - t0
         stats.seconds_fingerprint += time.perf_counter() - t1
         per_expert = sum(v[0].numel() * v.element_size() for v in shards.values()) or 1
@@ -122,8 +146,7 @@ def build_index(
     par = Parallel(tp_size=tp_size, ep_size=ep_size, layout=layout, moe_dp_size=moe_dp_size)
     validate_moe_tp(spec, par)
     wanted = _resolve_layers(spec, layers, checkpoint)
-    if device != "cpu" and not torch.cuda.is_available():
-        raise MoetraceError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    device = resolve_device(device)
     draft, draft_why = draft_checkpoint(ckpt)
     models = [("target", ckpt, wanted)] + ([("draft", draft, list(draft.spec.moe_layers))] if draft else [])
     units = [(model, c, layer, r) for model, c, ls in models for layer in ls for r in range(par.moe_tp_size)]

@@ -86,7 +86,7 @@ def _agreement_cases(quick: bool) -> list[tuple[str, torch.Tensor]]:
 
 def device_methods(dev: torch.device) -> list[str]:
     """The fingerprint paths this device runs: its default first (Triton on CUDA
-    where installed), then the torch fallback."""
+    where installed, xxhash on the CPU), then the torch fallback."""
     first = F.default_method(dev)
     return [first] + [m for m in ("torch",) if m != first]
 
@@ -101,7 +101,7 @@ def prove_fingerprint(device: str, quick: bool, on_device: Callable[[torch.Tenso
             m: (lambda t, m=m: F.fingerprint(t.to(dev), m)) for m in methods}
         mismatches, checked = [], 0
         for label, t in _agreement_cases(quick):
-            cpu = F.fingerprint(t, "numpy")
+            cpu = F.fingerprint(t, "xxhash")
             for method, device_fp in paths.items():
                 checked += 1
                 if cpu != device_fp(t):
@@ -109,20 +109,15 @@ def prove_fingerprint(device: str, quick: bool, on_device: Callable[[torch.Tenso
         # rows of a [E, ...] parameter, as the capture hook fingerprints them
         w = torch.randint(0, 256, (8, 96, 1000), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
         w = w.view(torch.float8_e4m3fn)
-        want = F.fingerprint_rows(w, "numpy")
+        want = F.fingerprint_rows(w, "xxhash")
         for method in methods if not on_device else []:
             checked += 1
             if F.fingerprint_rows(w.to(dev), method) != want:
                 mismatches.append(f"fingerprint_rows float8_e4m3fn[8,96,1000] ({method})")
-        checked += 1  # the guard's fold of those lanes on the device = the host fold
-        rows = F.row_bytes(w.to(dev))
-        lanes = F.row_lanes(rows)
-        host = F.chunk_digests(lanes.cpu().numpy(), rows.shape[1])
-        low, high = F.device_lane_words(lanes)
-        want = F.expected_lane_words(host, rows.shape[1])
-        if not (np.array_equal(F.device_chunk_digests(lanes, rows.shape[1]).cpu().numpy(), host)
-                and np.array_equal(low.cpu().numpy(), want[0]) and np.array_equal(high.cpu().numpy(), want[1])):
-            mismatches.append("the guard's device fold of fingerprint_rows' lanes")
+        checked += 1  # the chunk digests the guard compares on the device = the host's
+        on_dev = F.row_chunk_digests(F.row_bytes(w.to(dev))).cpu().numpy()
+        if not np.array_equal(on_dev, F.row_chunk_digests(F.row_bytes(w), "xxhash").numpy()):
+            mismatches.append("the guard's chunk digests of fingerprint_rows on the device")
         sensitivity = _sensitivity(dev)
         ok = not mismatches and not sensitivity
         where = f"{'CUDA' if dev.type == 'cuda' else 'CPU'} {'+'.join(methods)}"
@@ -208,10 +203,10 @@ def _capture_cost(dev: torch.device, quick: bool, sync) -> dict:
             dst[name].copy_(src[name])
 
     def capture():
-        # as the capture hook runs it: the device's default path, folding on the host
-        lanes = [F.row_lanes(F.row_bytes(t)) for t in src.values()]
-        for t, lane in zip(src.values(), lanes):
-            F.finalize(lane, F.row_bytes(t).shape[1])
+        # as the capture hook runs it: chunk digests on the device, tensor digests on the host
+        chunks = [F.row_chunk_digests(F.row_bytes(t)) for t in src.values()]
+        for t, c in zip(src.values(), chunks):
+            F.finalize(c, F.row_bytes(t).shape[1])
 
     reps = 2 if quick else 3
     t_copy = best_of(copies, reps, sync)

@@ -41,3 +41,29 @@ def median(values: list[float]) -> float:
 def median_ratio(times: dict[str, list[float]], name: str, baseline: str) -> float:
     """Median over rounds of baseline time / name time (> 1: name is faster)."""
     return median([b / t for b, t in zip(times[baseline], times[name])])
+
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8", "sve", "sve2", "asimd")
+
+
+def cpu_description() -> str:
+    """The CPU model, its core count and the SIMD flags that change hashing speed (Linux
+    /proc/cpuinfo), so a benchmark figure says where it was measured."""
+    import os
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model", "CPU part") and model in ("", platform.machine(), platform.processor()):
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    isa = [f for f in ISA_FLAGS if f in flags]
+    return f"{model}, {cores} cores, {platform.machine()} {' '.join(isa) or '(no SIMD flags listed)'}"

@@ -71,17 +71,17 @@ def test_garbled_manifest(run, index):
 
 def test_trace_of_another_fingerprint_version(run, index):
     m = json.loads((run / "rank=0" / "_manifest.json").read_text())
-    m["fp_version"] = 1
+    m["fp_version"], m["schema_version"] = 2, 2  # a trace of the previous version, as it was written
     (run / "rank=0" / "_manifest.json").write_text(json.dumps(m))
-    one_line_error(cli("analyze", run, "--index", index), "fingerprint version 1", "computes version 2",
-                   "capture the trace again")
+    one_line_error(cli("analyze", run, "--index", index), "fingerprint version 2", "computes version 3",
+                   "capture the trace again", "moetrace index")
 
 
 def test_mixed_schema_versions(run, index, model):
     t = pq.read_table(run / "rank=1" / "part-00001.parquet")
-    t = t.set_column(0, "schema_version", pa.array([3] * t.num_rows, pa.int16()))
+    t = t.set_column(0, "schema_version", pa.array([4] * t.num_rows, pa.int16()))
     pq.write_table(t, run / "rank=1" / "part-00001.parquet")
-    line = one_line_error(cli("analyze", run, "--index", index), "mixes schema versions", "v2", "v3")
+    line = one_line_error(cli("analyze", run, "--index", index), "mixes schema versions", "v3", "v4")
     assert "part-00001.parquet" in line
 
 
@@ -89,8 +89,8 @@ def test_newer_schema_version_only(run, index):
     for rk in ("rank=0", "rank=1"):
         for p in (run / rk).glob("part-*.parquet"):
             t = pq.read_table(p)
-            pq.write_table(t.set_column(0, "schema_version", pa.array([3] * t.num_rows, pa.int16())), p)
-    one_line_error(cli("analyze", run, "--index", index), "schema_version 3", "reads version 2")
+            pq.write_table(t.set_column(0, "schema_version", pa.array([4] * t.num_rows, pa.int16())), p)
+    one_line_error(cli("analyze", run, "--index", index), "schema_version 4", "reads version 3")
 
 
 def test_index_for_another_tp_size(run, model, tmp_path):

@@ -1,17 +1,23 @@
-"""fingerprint: the version-2 definition, exactness across paths, sensitivity, chunk localization."""
+"""fingerprint: the version-3 definition (XXH3-128 per 64 KiB chunk), every path held to
+the `xxhash` package and to the plain reference, sensitivity, chunk localization."""
 
 from __future__ import annotations
 
-import hashlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from moetrace import fingerprint as F
+from moetrace import fingerprint_reference as R
 
 C = F.CHUNK_BYTES
-SIZES = [0, 1, 7, 8, 100, C - 1, C, C + 1, 2 * C + 11]
+# around every XXH3 path boundary: empty, 1-3, 4-8, 9-16, 17-128, 129-240, 241+, blocks, chunks
+BOUNDARIES = [0, 1, 2, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1023, 1024, 1025, C - 1, C, C + 1]
+SIZES = [0, 1, 7, 8, 100, C - 1, C, C + 1, 3 * C + 11]
 
 
 def _bytes(n: int, seed: int = 0) -> torch.Tensor:
@@ -19,80 +25,64 @@ def _bytes(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
-def _reference_digest(data: bytes) -> tuple[bytes, bytes]:
-    """Steps 2-4 of docs/fingerprint.md with Python integers (no numpy products)."""
-    keys = F.LANE_KEYS[: min(len(data), C)].astype(int).tolist()
-    fold = [[int(k) for k in row] for row in F.FOLD_KEYS]
-    chunks = b""
-    for s in range(0, len(data), C):
-        chunk = data[s : s + C]
-        lanes = [0] * F.LANES
-        for i, b in enumerate(chunk):
-            v = b - 256 if b >= 128 else b
-            if v:
-                for j in range(F.LANES):
-                    lanes[j] += keys[i][j] * v
-        u = b"".join(x.to_bytes(4, "little", signed=True) for x in lanes) + len(chunk).to_bytes(4, "little")
-        words = [sum(ui * fold[i][t] for i, ui in enumerate(u)) % (1 << 64) for t in range(2)]
-        chunks += b"".join(w.to_bytes(8, "little") for w in words)
-    digest = hashlib.blake2b(len(data).to_bytes(8, "little") + chunks, digest_size=16, person=b"moetrace.tensor2").digest()
-    return digest, chunks
+def _contents(n: int, seed: int) -> list[tuple[str, np.ndarray]]:
+    return [("random", _bytes(n, seed).numpy()), ("zeros", np.zeros(n, np.uint8)), ("0xFF", np.full(n, 255, np.uint8))]
 
 
-@pytest.mark.parametrize("n", [1, 5, 129, 300])
-def test_digest_matches_the_definition(n):
-    x = _bytes(n, seed=n)
-    want = _reference_digest(x.numpy().tobytes())
-    for method in ("numpy", "torch"):
-        f = F.fingerprint(x, method)
-        assert (f.digest, f.chunk_digests) == want, method
+def _by_definition(data: bytes) -> tuple[bytes, bytes]:
+    """docs/fingerprint.md's definition with the xxhash package, as a reader would write it."""
+    chunks = b"".join(xxhash.xxh3_128(data[o : o + C]).digest() for o in range(0, len(data), C))
+    return xxhash.xxh3_128(chunks + len(data).to_bytes(8, "little")).digest(), chunks
 
 
-def test_keys_are_as_documented():
-    k = F.LANE_KEYS
-    assert k.shape == (C, F.LANES) and k.dtype == np.int8
-    assert not (k == 0).any() and k.min() == -F.KEY_LIMIT and k.max() == F.KEY_LIMIT
-    assert len(np.unique(k)) == 2 * F.KEY_LIMIT  # all 128 values occur
-    counts = np.unique(k, return_counts=True)[1]
-    assert counts.min() > 0.9 * k.size / 128  # close to uniform
-    assert F.FOLD_KEYS.shape == (4 * F.LANES + 4, 2) and len(np.unique(F.FOLD_KEYS)) == F.FOLD_KEYS.size
+@pytest.mark.parametrize("n", BOUNDARIES)
+def test_reference_is_xxh3_128(n):
+    for kind, a in _contents(n, seed=n):
+        assert R.xxh3_128(a.tobytes()) == xxhash.xxh3_128(a.tobytes()).digest(), (n, kind)
+
+
+def test_reference_fingerprint_is_the_definition():
+    for n in (0, 5, C + 300):
+        data = _bytes(n, seed=n).numpy().tobytes()
+        f = F.reference_fingerprint_bytes(data)
+        assert (f.digest, f.chunk_digests, f.nbytes) == (*_by_definition(data), n)
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_torch_path_equals_the_reference(n):
-    x = _bytes(n, seed=n + 1).reshape(1, -1)
-    ref = F.row_lanes(x, "numpy")
-    assert ref.shape == (1, F.n_chunks_for(n), F.LANES) and ref.dtype == np.int32
-    assert np.array_equal(F.row_lanes(x, "torch").numpy(), ref)
+@pytest.mark.parametrize("method", ["xxhash", "torch"])
+def test_paths_equal_the_definition(n, method):
+    for kind, a in _contents(n, seed=n + 1):
+        f = F.fingerprint(torch.from_numpy(a), method)
+        assert (f.digest, f.chunk_digests, f.nbytes) == (*_by_definition(a.tobytes()), n), (kind, method)
 
 
-def test_torch_threads_do_not_change_the_lanes():
-    """The suite runs torch single-threaded (tests/conftest.py); servers do not: the torch
-    path gives the same lanes with several threads, on rows big enough to be split."""
-    x = _bytes(8 * (8 * C + 5), seed=11).reshape(8, -1)
-    ref = F.row_lanes(x, "numpy")
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2, 4):
-            torch.set_num_threads(n)
-            assert np.array_equal(F.row_lanes(x, "torch").numpy(), ref), f"{n} threads"
-    finally:
-        torch.set_num_threads(threads)
+@pytest.mark.parametrize("n", BOUNDARIES + [241 + 7, 3 * C + 241, 2 * C + 240])
+def test_torch_fallback_equals_xxhash_at_every_boundary(n):
+    """Rows of one length go through XXH3's paths as one batch: every row is checked."""
+    for kind, a in _contents(n, seed=n + 2):
+        rows = torch.from_numpy(np.stack([a, a[::-1].copy(), a ^ 0x5A]))
+        got = F.row_chunk_digests(rows, "torch").numpy()
+        want = np.stack([np.frombuffer(_by_definition(r.tobytes())[1], np.uint8).reshape(-1, 16) for r in rows.numpy()])
+        assert got.shape == (3, F.n_chunks_for(n), 16) and np.array_equal(got, want), (n, kind)
 
 
-def test_extreme_bytes_give_the_largest_lanes_exactly():
-    for value in (-128, 127):
-        x = torch.full((2, C), value, dtype=torch.int8).view(torch.uint8)
-        want = (value * F.LANE_KEYS.astype(np.int64).sum(axis=0)).astype(np.int32)
-        assert np.array_equal(F.row_lanes(x, "torch").numpy()[:, 0], np.stack([want, want]))
-    assert F._int_mm_is_exact(torch.device("cpu"))
+def test_definition_helpers():
+    data = _bytes(2 * C + 5, seed=12).numpy().tobytes()
+    digest, chunks = _by_definition(data)
+    assert F.chunk_digest(memoryview(data)[:C]) == chunks[:16] == xxhash.xxh3_128(data[:C]).digest()
+    assert F.chunk_digest(data[2 * C :]) == chunks[32:]
+    assert F.tensor_digest(chunks, len(data)) == digest
+    with pytest.raises(ValueError, match="at most"):
+        F.chunk_digest(data[: C + 1])
+    with pytest.raises(ValueError, match="do not fit"):
+        F.tensor_digest(chunks[:16], len(data))
 
 
-def test_float64_fallback_equals_int_mm(monkeypatch):
-    x = _bytes(3 * (2 * C + 5), seed=3).reshape(3, -1)
-    want = F.row_lanes(x, "torch").numpy()
-    monkeypatch.setitem(F._EXACT_INT_MM, torch.device("cpu"), False)
-    assert np.array_equal(F.row_lanes(x, "torch").numpy(), want)
+def test_empty_tensor_has_no_chunks():
+    f = F.fingerprint(torch.zeros(0, dtype=torch.float32))
+    assert f.chunk_digests == b"" and f.n_chunks == 0 and f.nbytes == 0
+    assert f.digest == xxhash.xxh3_128((0).to_bytes(8, "little")).digest()
+    assert F.fingerprint_rows(torch.zeros(3, 0)) == [f] * 3
 
 
 @pytest.mark.parametrize(
@@ -103,8 +93,10 @@ def test_dtypes_rows_and_views(dtype):
     t = raw.view(dtype).reshape(6, -1)
     rows = F.fingerprint_rows(t)
     assert [r.digest for r in rows] == [F.fingerprint(t[i]).digest for i in range(6)]
+    assert [r.digest for r in rows] == [_by_definition(t[i].view(torch.uint8).numpy().tobytes())[0] for i in range(6)]
     strided = t[:, 1:-1]  # rows that are not contiguous in memory
     assert F.fingerprint_rows(strided) == F.fingerprint_rows(strided.contiguous())
+    assert F.fingerprint_rows(strided, "torch") == F.fingerprint_rows(strided.contiguous())
     assert F.fingerprint(t.t()) == F.fingerprint(t.t().contiguous())
 
 
@@ -114,33 +106,16 @@ def test_dtype_and_shape_are_not_folded_in():
 
 
 @pytest.mark.parametrize("n", [9, C + 3])
-def test_every_single_bit_flip_changes_every_lane(n):
+def test_every_single_bit_flip_changes_its_chunk_only(n):
     x = _bytes(n, seed=6)
-    base = F.row_lanes(x.reshape(1, -1), "torch").numpy()
+    base = F.fingerprint(x)
     flips = [(p, b) for p in range(n) for b in range(8)] if n < 64 else [(0, 7), (C - 1, 0), (C, 7), (n - 1, 3)]
-    digest = F.fingerprint(x)
     for pos, bit in flips:
         y = x.clone()
         y[pos] ^= 1 << bit
-        lanes = F.row_lanes(y.reshape(1, -1), "torch").numpy()
-        chunk = pos // C
-        assert (lanes[0, chunk] != base[0, chunk]).all(), (pos, bit)
-        assert F.fingerprint(y) != digest
-
-
-def test_top_bit_pairs_and_cancelling_pairs_are_seen():
-    x = _bytes(4 * C, seed=7)
-    base = F.fingerprint(x)
-    for i, j in ((7, 15), (7, 8 * 1000 + 7), (C - 1, C + 7), (0, 1)):
-        y = x.clone()
-        y[i] ^= 0x80
-        y[j] ^= 0x80
-        assert F.fingerprint(y) != base, (i, j)
-    # the difference (+1 at p, -1 at q) cancels only where the keys are equal
-    y = x.clone()
-    p, q = 3, 4
-    y[p], y[q] = (int(x[p]) + 1) % 256, (int(x[q]) - 1) % 256
-    assert F.fingerprint(y) != base
+        f = F.fingerprint(y)
+        changed = [f.chunk(i) != base.chunk(i) for i in range(base.n_chunks)]
+        assert changed == [i == pos // C for i in range(base.n_chunks)] and f.digest != base.digest, (pos, bit)
 
 
 def test_swapped_chunks_and_lengths_differ():
@@ -160,28 +135,33 @@ def test_torn_copy_is_localized_to_chunks():
     assert [ft.chunk(i) == fb.chunk(i) for i in range(4)] == [False, False, True, True]
 
 
-def test_unrelated_contents_do_not_collide():
-    digests = {F.fingerprint(_bytes(1000, seed=s)).digest for s in range(200)}
-    assert len(digests) == 200
-
-
 def test_many_and_bytes_entry_points():
     ts = [_bytes(n, seed=n) for n in (10, C + 1)]
     assert F.fingerprint_many(ts) == [F.fingerprint(t) for t in ts]
     assert F.fingerprint_bytes(ts[1].numpy().tobytes()) == F.fingerprint(ts[1])
+    assert F.fingerprint_bytes(memoryview(ts[1].numpy())) == F.fingerprint(ts[1])
 
 
-def test_known_answers_are_stable():
-    # Digests stored in indexes and traces depend on these exact values: a change
-    # must bump FP_VERSION (readers refuse other versions) and these values together.
-    assert F.FP_VERSION == 2
-    assert F.fingerprint(torch.arange(10, dtype=torch.uint8)).hex() == "385c7e18783140d8ea6e81ff2d682420"
+def test_version_and_a_known_answer():
+    # Digests stored in indexes and traces depend on the definition: a change must bump
+    # FP_VERSION (readers refuse other versions). The answer is computed from xxhash here.
+    assert F.FP_VERSION == 3
+    data = bytes(range(10))
+    want = xxhash.xxh3_128(xxhash.xxh3_128(data).digest() + (10).to_bytes(8, "little")).hexdigest()
+    assert F.fingerprint(torch.arange(10, dtype=torch.uint8)).hex() == want
 
 
-def test_row_lanes_rejects_bad_input():
+def test_fingerprint_imports_without_torch():
+    """The index cache and hook-spec read digests in processes that never import torch."""
+    code = ("import sys; import moetrace.fingerprint as F; "
+            "assert F.fingerprint_bytes(b'abc').nbytes == 3; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bad_input_is_rejected():
     with pytest.raises(ValueError, match="uint8"):
-        F.row_lanes(torch.zeros(3, 4))
+        F.row_chunk_digests(torch.zeros(3, 4))
     with pytest.raises(ValueError, match="unknown fingerprint method"):
-        F.row_lanes(torch.zeros(1, 4, dtype=torch.uint8), "blake")
+        F.row_chunk_digests(torch.zeros(1, 4, dtype=torch.uint8), "blake")
     with pytest.raises(ValueError, match="do not fit"):
-        F.finalize(np.zeros((1, 2, F.LANES), dtype=np.int32), 10)
+        F.finalize(np.zeros((1, 2, 16), dtype=np.uint8), 10)

@@ -1,4 +1,4 @@
-"""The fused Triton kernel, run by Triton's interpreter on CPU: bit for bit the CPU path."""
+"""The fused Triton kernel, run by Triton's interpreter on CPU: bit for bit xxhash."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from moetrace import fingerprint as F
 
@@ -22,7 +23,7 @@ def interpreted():
     pytest.importorskip("triton")
     from moetrace import fingerprint_triton
 
-    if not type(fingerprint_triton._lanes_kernel).__name__.startswith("Interpreted"):
+    if not type(fingerprint_triton._xxh3_128_chunks).__name__.startswith("Interpreted"):
         pytest.skip("the Triton kernel was compiled before TRITON_INTERPRET was set")
     yield
     if old is None:
@@ -31,23 +32,34 @@ def interpreted():
         os.environ["TRITON_INTERPRET"] = old
 
 
-@pytest.mark.parametrize("rows,n", [(1, 1), (3, 100), (33, 384), (2, C + 5)])
-def test_triton_kernel_equals_the_reference(interpreted, monkeypatch, rows, n):
-    from moetrace import fingerprint_triton
-
-    if n > C:  # the interpreter runs one numpy step per block: wider blocks, same sums
-        monkeypatch.setattr(fingerprint_triton, "BLOCK_K", 4096)
-    g = torch.Generator().manual_seed(rows * 1000 + n)
-    x = torch.randint(0, 256, (rows, n), dtype=torch.uint8, generator=g)
-    got = F.row_lanes(x, "triton")
-    assert got.dtype == torch.int32 and got.shape == (rows, F.n_chunks_for(n), F.LANES)
-    assert np.array_equal(got.numpy(), F.row_lanes(x, "numpy"))
+def _want(rows: np.ndarray) -> np.ndarray:
+    return np.stack([np.frombuffer(b"".join(xxhash.xxh3_128(r[o : o + C].tobytes()).digest()
+                                            for o in range(0, len(r), C)), np.uint8).reshape(-1, 16) for r in rows])
 
 
-def test_triton_on_strided_rows_and_extremes(interpreted):
+# Row lengths around XXH3's paths (short ones go to the torch path after the launch), a
+# last block of 1 stripe and of 15, whole words and odd lengths (byte loads). The
+# interpreter runs a 64 KiB chunk in about a second: lengths of several chunks are few.
+LENGTHS = [0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1023, 1024, 1025, 2 * 1024 + 1000]
+CHUNKS = [C - 1, C, 2 * C + 8]  # byte loads, word loads, two chunks and a short tail
+
+
+def test_triton_kernel_equals_xxhash(interpreted):
+    g = torch.Generator().manual_seed(7)
+    cases = [(n, kind) for n in LENGTHS for kind in ("random", "zeros", "0xFF")] + [(n, "random") for n in CHUNKS]
+    for n, kind in cases:
+        rows = 2 if n < C else 1
+        if kind == "random":
+            x = torch.randint(0, 256, (rows, n), dtype=torch.uint8, generator=g)
+        else:
+            x = torch.full((rows, n), 0 if kind == "zeros" else 255, dtype=torch.uint8)
+        got = F.row_chunk_digests(x, "triton")
+        assert got.dtype == torch.uint8 and got.shape == (rows, F.n_chunks_for(n), 16)
+        assert np.array_equal(got.numpy(), _want(x.numpy())), (n, kind)
+
+
+def test_triton_on_strided_rows(interpreted):
     g = torch.Generator().manual_seed(1)
     big = torch.randint(0, 256, (3, 3000), dtype=torch.uint8, generator=g)
-    view = big[:, 7:2040]  # row stride is not the row length
-    big[1] = 128  # -128 as int8: the largest lanes
-    want = F.fingerprint_rows(view, "torch")
-    assert F.fingerprint_rows(view, "triton") == want
+    view = big[:, 8:2048]  # row stride is not the row length
+    assert F.fingerprint_rows(view, "triton") == F.fingerprint_rows(view.contiguous(), "xxhash")

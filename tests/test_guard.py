@@ -65,20 +65,29 @@ def _context_class():
     return type("SharedFullContext", (StagedContext,), {"load": StagedContext.load})
 
 
-def test_device_fold_is_the_host_fold():
-    """fingerprint.device_chunk_digests gives chunk_digests' bytes, and device_lane_words
-    what expected_lane_words derives from them (the guard's compare): random lanes, the
-    int32 extremes, a short last chunk, a one-byte tensor."""
-    rng = np.random.default_rng(7)
-    for nbytes in (1, 4095, fp.CHUNK_BYTES, fp.CHUNK_BYTES + 1, 5 * fp.CHUNK_BYTES - 3):
-        n = fp.n_chunks_for(nbytes)
-        for lanes in (rng.integers(-2**31, 2**31, size=(3, n, fp.LANES)).astype(np.int32),
-                      np.full((1, n, fp.LANES), -2**31, np.int32), np.full((1, n, fp.LANES), 2**31 - 1, np.int32)):
-            host = fp.chunk_digests(lanes, nbytes)
-            assert np.array_equal(fp.device_chunk_digests(torch.from_numpy(lanes), nbytes).numpy(), host), nbytes
-            low, high = fp.device_lane_words(torch.from_numpy(lanes))
-            want_low, want_high = fp.expected_lane_words(host, nbytes)
-            assert np.array_equal(low.numpy(), want_low) and np.array_equal(high.numpy(), want_high), nbytes
+def test_device_compare_of_chunk_digests():
+    """Expectation.compare flags a row by its chunk digests against the index's (expected
+    from fingerprint_rows of the checkpoint's bytes): an equal row matches, one flipped byte
+    in a short last chunk mismatches, a row of another length mismatches, an expert the
+    index lacks is unverified, and a reordered expert list is looked up by expert id."""
+    from moetrace.tracer.expectation import MATCH, MISMATCH, UNVERIFIED, Expectation, Table
+
+    g = torch.Generator().manual_seed(3)
+    nbytes = 2 * fp.CHUNK_BYTES + 5
+    want = torch.randint(0, 256, (3, nbytes), dtype=torch.uint8, generator=g)
+    fps = fp.fingerprint_rows(want, "xxhash")
+    chunks = torch.from_numpy(np.frombuffer(b"".join(f.chunk_digests for f in fps), np.uint8).reshape(3, -1, 16).copy())
+    exp = Expectation("idx", 0, 0, torch.device("cpu"), None, None,
+                      {("target", 0, "w2_weight"): Table(chunks, nbytes, {10: 0, 11: 1, 12: 2}, {})})
+    got = want.clone()
+    got[1, -1] ^= 1
+    flags = exp.compare(("target", 0), "w2_weight", (10, 11, 12), fp.row_chunk_digests(got), nbytes)
+    assert flags.tolist() == [MATCH, MISMATCH, MATCH]
+    flags = exp.compare(("target", 0), "w2_weight", (12, 99, 10), fp.row_chunk_digests(want[[2, 0, 0]]), nbytes)
+    assert flags.tolist() == [MATCH, UNVERIFIED, MATCH]
+    short = fp.row_chunk_digests(want[:, :-1])
+    assert exp.compare(("target", 0), "w2_weight", (10, 11, 12), short, nbytes - 1).tolist() == [MISMATCH] * 3
+    assert exp.compare(("target", 1), "w2_weight", (10,), short[:1], nbytes - 1) is None
 
 
 def test_staged_race_counted_scraped_and_traced(model, tmp_path, caplog):

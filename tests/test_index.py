@@ -84,7 +84,7 @@ def test_layers_option_and_metadata(ckpt, tmp_path):
     assert set(table.column("layer").to_pylist()) == {2}
     path = ix.write_index(table, tmp_path / "i.parquet")
     meta = ix.index_metadata(path)
-    assert meta["tp_size"] == 2 and meta["layers"] == [2] and meta["schema_version"] == 2
+    assert meta["tp_size"] == 2 and meta["layers"] == [2] and meta["schema_version"] == 3
     assert ix.read_index(path).num_rows == table.num_rows
     with pytest.raises(MoetraceError, match="--layers 0: not MoE layers"):
         ixb.build_index(ckpt, 2, layers=[0])
@@ -171,10 +171,13 @@ def test_index_of_another_version_says_what_it_found_and_how_to_rebuild(ckpt, tm
     import json
 
     table = ixb.build_index(ckpt, 2, layers=[2])
-    for key, value, words in (("schema_version", 1, "index schema version 1, this moetrace reads version 2"),
-                              ("fp_version", 0, "fingerprint version 0")):
+    for changes, words in (({"schema_version": 1}, "index schema version 1, this moetrace reads version 3"),
+                           ({"fp_version": 0}, "fingerprint version 0"),
+                           # an index of fp_version 2, as it was written: refused by its digests' version
+                           ({"fp_version": 2, "schema_version": 2}, "fingerprint version 2, this moetrace computes version 3")):
+        key = "-".join(f"{k}{v}" for k, v in changes.items())
         meta = json.loads(table.schema.metadata[ix.INDEX_META_KEY])
-        meta[key] = value
+        meta.update(changes)
         old = ix.write_index(table.replace_schema_metadata({ix.INDEX_META_KEY: json.dumps(meta).encode()}),
                              tmp_path / f"{key}.parquet")
         for read in (ix.read_index, ix.index_metadata):
@@ -205,3 +208,15 @@ def test_stand_in_shared_expert_and_mtp_are_left_out_with_the_reason(ckpt):
     meta = json.loads(ixb.build_index(ckpt, 1).schema.metadata[ix.INDEX_META_KEY])
     assert meta["shared_experts"] == 0
     assert meta["draft"]["excluded"].startswith("draft model (mtp.*)")
+
+
+def test_device_paths_give_the_cpu_index(ckpt, monkeypatch):
+    """--device auto is the CPU here; the path a GPU without Triton takes (plain torch) gives
+    the same rows as xxhash, and --device cuda without CUDA is refused in one line."""
+    assert ixb.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    want = ixb.build_index(ckpt, 2, layers=[1])
+    monkeypatch.setenv("MOETRACE_FP_METHOD", "torch")
+    assert ixb.build_index(ckpt, 2, layers=[1]).equals(want)
+    if not torch.cuda.is_available():
+        with pytest.raises(MoetraceError, match="--device cuda: CUDA is not available"):
+            ixb.build_index(ckpt, 2, layers=[1], device="cuda")

@@ -125,7 +125,8 @@ def test_gpu_script_dry_run(gpu_script_dry_run):
     assert run["returncode"] == 0, run["stdout"] + run["stderr"]
     steps = (out / "steps.txt").read_text().split("\n")
     assert all(" rc=0 " in line for line in steps if line), steps
-    assert "| selftest | exit 0" in run["stdout"] and "fingerprint_all_cores" in run["stdout"]
+    assert "| selftest | exit 0" in run["stdout"] and "fingerprint_1thread_vs_xxh3_128" in run["stdout"]
+    assert "| index on cpu (2 experts, TP2) |" in run["stdout"]
     assert "--only fingerprint --only throughput --json" in run["stdout"]  # SELFTEST_ONLY reached the command
 
 

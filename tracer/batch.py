@@ -66,8 +66,8 @@ class CaptureBatch:
     slots: list[int]  # slot in the stacked param, per row
     positions: list[int]  # transport_position per row
     time_ns: int
-    lanes: np.ndarray | torch.Tensor | None = None  # int32 [rows, chunks, LANES] on the host
-    ready: object | None = None  # torch.cuda.Event to wait on before reading lanes
+    chunks: np.ndarray | torch.Tensor | None = None  # uint8 [rows, chunks, 16]: chunk digests on the host
+    ready: object | None = None  # torch.cuda.Event to wait on before reading the chunk digests
     fps: list[Fingerprint] | None = None  # set when already folded (synchronous verification, unchanged weights)
     on_folded: Callable[[list[Fingerprint]], None] | None = None  # told the fingerprints once folded
     online: list[str | None] | None = None
@@ -83,8 +83,8 @@ class CaptureBatch:
 
     @property
     def host_bytes(self) -> int:
-        lanes = 0 if self.lanes is None else int(self.lanes.nbytes) if isinstance(self.lanes, np.ndarray) else self.lanes.numel() * self.lanes.element_size()
-        return lanes + sum(int(t.numel() * t.element_size()) for _, t, _, _ in self.dumps) + 256 * self.n_rows
+        chunks = 0 if self.chunks is None else int(self.chunks.nbytes) if isinstance(self.chunks, np.ndarray) else self.chunks.numel() * self.chunks.element_size()
+        return chunks + sum(int(t.numel() * t.element_size()) for _, t, _, _ in self.dumps) + 256 * self.n_rows
 
 
 def record_batch(b: CaptureBatch, run_id: str, digests: list[bytes], chunks: list[bytes | None],

@@ -1,10 +1,11 @@
-"""The capture core: stacked expert tensors -> device lanes -> queued batches.
+"""The capture core: stacked expert tensors -> chunk digests on their device -> queued batches.
 
 Framework-free: callers (hooks/) hand over ``{param name: [E, ...] tensor}`` plus
 the layer, the global expert ids and the transport order. Per parameter there is
-one batched lane computation on the tensor's device (``fingerprint.row_lanes``)
-and one small device-to-host copy (pinned, non-blocking, with a CUDA event on
-GPU); the BLAKE2b folding runs in the sink's writer thread.
+one batched chunk-digest computation on the tensor's device
+(``fingerprint.row_chunk_digests``) and one small device-to-host copy (pinned,
+non-blocking, with a CUDA event on GPU); the tensor digests (one XXH3-128 per
+row) are made in the sink's writer thread.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from moetrace.tracer.config import TraceConfig
-from moetrace.fingerprint import finalize, row_bytes, row_lanes
+from moetrace.fingerprint import finalize, row_bytes, row_chunk_digests
 from moetrace.tracer.online import MISMATCH, OnlineIndex
 from moetrace.schema import TENSOR_NAMES, RankIdentity, dtype_name
 from moetrace.tracer.batch import CaptureBatch, CaptureEvent, CapturedTensor
@@ -36,7 +37,7 @@ def cuda_graph_capturing() -> bool:
     """True while this thread's current CUDA stream is capturing a CUDA graph.
 
     A hook that fires then (the eager pass a server records into a graph) must
-    not capture: its kernels do not run, so the lanes would be garbage, and its
+    not capture: its kernels do not run, so the digests would be of garbage, and its
     host syncs (pinned allocation, H2D of expert ids, event waits) are illegal
     during capture and would invalidate the server's graph. Never initializes CUDA.
     """
@@ -70,7 +71,7 @@ class Tracer:
         self._event_lock = threading.RLock()  # a capture event is queued whole or not at all
         self._capture_seq = 0
         self.resident = ResidentCache()  # unchanged resident weights: fingerprinted once per version
-        self.fingerprinted = 0  # tensors whose lanes were computed (any source)
+        self.fingerprinted = 0  # tensors whose chunk digests were computed (any source)
         self._logged: set[str] = set()
         self._layouts: dict[str, dict] = {}
         self._ranks_reported = False
@@ -226,11 +227,11 @@ class Tracer:
         for it in items:
             if it.fps is None:
                 self.fingerprinted += 1
-                lanes, ready = self.host_lanes(row_lanes(it.rows))
+                chunks, ready = self.host_chunks(row_chunk_digests(it.rows))
             else:
-                lanes, ready = None, None
+                chunks, ready = None, None
                 self.sink.update(resident_reused=self.resident.reused)
-            batch = self.batch(event, it, lanes, ready, it.fps)
+            batch = self.batch(event, it, chunks, ready, it.fps)
             if it.fps is None:
                 if source == "resident":
                     batch.on_folded = self.resident.remember(event.where, it.name, it.key)
@@ -251,7 +252,7 @@ class Tracer:
         rows = row_bytes(data)  # a view of a contiguous parameter: nothing is read unless fingerprinted
         return CapturedTensor(name, data, int(rows.shape[1]), rows, key, fps)
 
-    def batch(self, event: CaptureEvent, it: CapturedTensor, lanes, ready, fps, rows: list[int] | None = None
+    def batch(self, event: CaptureEvent, it: CapturedTensor, chunks, ready, fps, rows: list[int] | None = None
               ) -> CaptureBatch:
         """The trace rows of one tensor of an event (``rows``: only these captured rows)."""
         pick = (lambda v: v) if rows is None else (lambda v: [v[i] for i in rows])
@@ -259,12 +260,12 @@ class Tracer:
             ranks=event.ranks, step=event.step, source=event.source, capture_seq=event.capture_seq,
             layer=event.layer, tensor=it.name, dtype=dtype_name(it.data.dtype), shape=list(it.data.shape[1:]),
             nbytes=it.nbytes, experts=pick(event.experts), slots=pick(event.slots),
-            positions=pick(event.positions), time_ns=event.time_ns, lanes=lanes, ready=ready, fps=fps,
+            positions=pick(event.positions), time_ns=event.time_ns, chunks=chunks, ready=ready, fps=fps,
             model=event.model, copies=pick(event.copies), slot_count=event.slot_count,
         )
 
-    def host_lanes(self, dev):
-        """Device lanes -> (host lanes, event to wait on): one small non-blocking D2H, no sync."""
+    def host_chunks(self, dev):
+        """Chunk digests on the device -> (on the host, event to wait on): one small non-blocking D2H, no sync."""
         if dev.device.type == "cpu":
             return dev, None
         if dev.device.type != "cuda":
@@ -280,8 +281,8 @@ class Tracer:
         tensor must be copied before the server changes it)."""
         if b.ready is not None:
             b.ready.synchronize()
-        fps = finalize(b.lanes, b.nbytes)
-        b.fps, b.lanes, b.ready = fps, None, None
+        fps = finalize(b.chunks, b.nbytes)
+        b.fps, b.chunks, b.ready = fps, None, None
         if b.on_folded is not None:
             b.on_folded(fps)
         b.online = self.verifier.batch_verdicts(b, [f.digest for f in fps])

@@ -2,12 +2,11 @@
 
 Read once through the one index reader (the rows of this rank's moe_tp_rank: with EPLB
 any slot may hold any logical expert), each (model, layer, tensor) becomes a table on
-the rank's device of what the fold of its lanes must give:
-``fingerprint.expected_lane_words`` of the index's chunk digests, int64 (low, high)
-halves [experts, chunks, 2] each. A captured tensor's lanes are folded where they are
-(``fingerprint.device_lane_words``) and compared with its table: equal chunk digests
-and byte length are exactly equal digests (a digest is a hash of them). The result is
-one flag per captured expert, still on the device.
+the rank's device of the index's chunk digests, uint8 [experts, chunks, 16]. A captured
+tensor's chunk digests are computed where it is (``fingerprint.row_chunk_digests``) and
+compared with its table there: equal chunk digests and byte length are exactly equal
+tensor digests (a tensor digest is a hash of them). The result is one flag per captured
+expert, still on the device.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 
 from moetrace.checkpoints.index import index_metadata, read_index
 from moetrace.errors import MoetraceError
-from moetrace.fingerprint import device_lane_words, expected_lane_words, n_chunks_for
+from moetrace.fingerprint import DIGEST_BYTES, n_chunks_for
 
 MATCH, MISMATCH, UNVERIFIED = 0, 1, 2  # flag codes, one per captured expert
 VERDICTS = ("match", "mismatch", "unverified")  # the same, as words (metrics, manifest)
@@ -28,10 +27,9 @@ _COLUMNS = ["checkpoint_id", "model", "layer", "expert", "tensor", "nbytes", "di
 
 @dataclass
 class Table:
-    """What the lanes of one (model, layer, tensor) must fold to, on one device."""
+    """The expected chunk digests of one (model, layer, tensor), on one device."""
 
-    low: torch.Tensor  # int64 [rows, chunks, 2]: the low 32-bit halves of each chunk's two words
-    high: torch.Tensor  # the same, high halves
+    chunks: torch.Tensor  # uint8 [rows, chunks, 16]
     nbytes: int
     row_of: dict[int, int]  # expert id -> row
     digest_of: dict[int, bytes]  # expert id -> 16-byte digest (host, for dumps)
@@ -45,8 +43,8 @@ class Table:
         if found is None:
             rows = [self.row_of.get(e, -1) for e in experts]
             known = [r >= 0 for r in rows]
-            dev = self.low.device
-            index = None if rows == list(range(self.low.shape[0])) else torch.tensor([max(r, 0) for r in rows]).to(dev)
+            dev = self.chunks.device
+            index = None if rows == list(range(self.chunks.shape[0])) else torch.tensor([max(r, 0) for r in rows]).to(dev)
             mask = None if all(known) else torch.tensor(known).to(dev)
             if len(self._lookups) < 64:  # captures name a handful of expert lists per layer
                 self._lookups[experts] = (index, mask)
@@ -85,27 +83,25 @@ class Expectation:
         """The same tables on another device (a capture on an unexpected device; once)."""
         if device == self.device:
             return self
-        tables = {k: Table(t.low.to(device), t.high.to(device), t.nbytes, t.row_of, t.digest_of)
+        tables = {k: Table(t.chunks.to(device), t.nbytes, t.row_of, t.digest_of)
                   for k, t in self.tables.items()}
         return Expectation(self.path, self.tp_rank, self.moe_tp_rank, device, self.checkpoint_id,
                            self.checkpoint_path, tables)
 
-    def compare(self, where: tuple[str, int], tensor: str, experts: tuple[int, ...], lanes: torch.Tensor,
+    def compare(self, where: tuple[str, int], tensor: str, experts: tuple[int, ...], chunks: torch.Tensor,
                 nbytes: int) -> torch.Tensor | None:
-        """uint8 [R] flags on the lanes' device (no sync); None: nothing expected for
+        """uint8 [R] flags on the chunk digests' device (no sync); None: nothing expected for
         ((model, layer), tensor) here, every row unverified."""
         table = self.tables.get((*where, tensor))
         if table is None:
             return None
         index, known = table.lookup(experts)
-        r = lanes.shape[0]
-        if nbytes != table.nbytes or lanes.shape[1] != table.low.shape[1]:
-            flags = torch.full((r,), MISMATCH, dtype=torch.uint8, device=lanes.device)
+        r = chunks.shape[0]
+        if nbytes != table.nbytes or chunks.shape[1] != table.chunks.shape[1]:
+            flags = torch.full((r,), MISMATCH, dtype=torch.uint8, device=chunks.device)
         else:
-            low, high = device_lane_words(lanes)
-            want_low, want_high = ((table.low, table.high) if index is None else
-                                   (table.low.index_select(0, index), table.high.index_select(0, index)))
-            equal = ((low == want_low) & (high == want_high)).view(r, -1).all(dim=1)
+            want = table.chunks if index is None else table.chunks.index_select(0, index)
+            equal = (chunks == want).flatten(1).all(dim=1)
             flags = (~equal).to(torch.uint8)  # MATCH 0, MISMATCH 1
         if known is not None:
             flags = torch.where(known, flags, torch.full_like(flags, UNVERIFIED))
@@ -136,7 +132,7 @@ def load_expectation(path: str, tp_rank: int, device: torch.device) -> Expectati
     ids = table.column("checkpoint_id").unique().to_pylist()
     groups: dict[tuple[str, int, str], list[tuple[int, int, bytes, bytes]]] = {}
     for model, layer, expert, name, nbytes, digest, chunks in zip(*(table.column(c).to_pylist() for c in _COLUMNS[1:])):
-        if chunks is None or len(chunks) != 16 * n_chunks_for(nbytes):
+        if chunks is None or len(chunks) != DIGEST_BYTES * n_chunks_for(nbytes):
             raise MoetraceError(f"index {path}: {'' if model == 'target' else model + ' '}layer {layer} expert {expert} "
                                 f"{name} has no chunk digests of its {nbytes} bytes; rebuild it with `moetrace index`")
         groups.setdefault((model, int(layer), name), []).append((int(expert), int(nbytes), digest, chunks))
@@ -148,9 +144,8 @@ def load_expectation(path: str, tp_rank: int, device: torch.device) -> Expectati
             raise MoetraceError(f"index {path}: {key[0]} layer {key[1]} {key[2]} has experts of different byte "
                                 f"lengths {sorted(sizes)}")
         nbytes = sizes.pop()
-        chunks = np.frombuffer(b"".join(c for _, _, _, c in rows), dtype=np.uint8).reshape(len(rows), -1, 16)
-        low, high = expected_lane_words(chunks, nbytes)
-        tables[key] = Table(torch.from_numpy(low).to(device), torch.from_numpy(high).to(device), nbytes,
+        chunks = np.frombuffer(b"".join(c for _, _, _, c in rows), dtype=np.uint8).reshape(len(rows), -1, DIGEST_BYTES)
+        tables[key] = Table(torch.from_numpy(chunks.copy()).to(device), nbytes,
                             {e: i for i, (e, _, _, _) in enumerate(rows)}, {e: d for e, _, d, _ in rows})
     return Expectation(str(path), int(tp_rank), moe_tp_rank, device, ids[0] if len(ids) == 1 else None,
                        meta.get("checkpoint_path"), tables)

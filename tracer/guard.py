@@ -2,8 +2,8 @@
 the rank's device against the index, one small result per load brought to the host.
 
 Per capture event (a KT staged load, a resident FusedMoE forward whose weights are not
-provably unchanged): the lanes of every tensor are computed and folded on the device
-and compared with this rank's expected chunk digests (tracer.expectation); the flags
+provably unchanged): the chunk digests of every tensor are computed on the device
+and compared there with this rank's expected chunk digests (tracer.expectation); the flags
 of the whole load come back in ONE device-to-host copy. Mismatching rows still become
 full trace rows (chunk digests, capped dumps); matching rows only with
 ``guard_rows: all``. Actions on a mismatch: ``record`` (counts, trace rows, one warning),
@@ -21,7 +21,7 @@ import time
 import torch
 
 from moetrace.errors import MoetraceError
-from moetrace.fingerprint import finalize, row_lanes
+from moetrace.fingerprint import finalize, row_chunk_digests
 from moetrace.schema import format_ids
 from moetrace.tracer.batch import CaptureEvent, CapturedTensor
 from moetrace.tracer.expectation import MATCH, MISMATCH, UNVERIFIED, VERDICTS, guard_device, load_expectation
@@ -109,25 +109,25 @@ class Guard:
                 if memo is not None:
                     pending.append((it, memo, None, None))
                     continue
-                lanes = row_lanes(it.rows)
+                chunks = row_chunk_digests(it.rows)
                 tracer.fingerprinted += 1
-                host = tracer.host_lanes(lanes) if self.rows == "all" else None
-                flags = None if exp is None else exp.compare(event.where, it.name, experts, lanes, it.nbytes)
+                host = tracer.host_chunks(chunks) if self.rows == "all" else None
+                flags = None if exp is None else exp.compare(event.where, it.name, experts, chunks, it.nbytes)
                 if flags is not None:
                     flags_on_device.append(flags)
-                pending.append((it, flags, lanes, host))
+                pending.append((it, flags, chunks, host))
             # The one device-to-host copy of this load: it waits for what the stream ran before it
             # (a staged load ends with the fork's own device sync: the guard's kernels only).
             back = torch.cat(flags_on_device).cpu().tolist() if flags_on_device else []
             results, at = [], 0
-            for it, flags, lanes, host in pending:
+            for it, flags, chunks, host in pending:
                 n = len(event.experts)
                 if isinstance(flags, torch.Tensor):
                     flags, at = back[at:at + n], at + n
                 elif flags is None:
                     flags = [UNVERIFIED] * n
-                results.append((it, flags, lanes, host))
-                if event.source == "resident" and lanes is not None and it.key is not None:
+                results.append((it, flags, chunks, host))
+                if event.source == "resident" and chunks is not None and it.key is not None:
                     self._memo[(*event.where, it.name)] = (self._memo_key(it), flags)
             submitted = sum(self._submit(tracer, event, *r, exp) for r in results)
             seconds = time.perf_counter() - t0
@@ -150,10 +150,10 @@ class Guard:
             return None
         return found[1]
 
-    def _submit(self, tracer, event, it, flags, lanes, host, exp) -> int:
+    def _submit(self, tracer, event, it, flags, chunks, host, exp) -> int:
         """Trace rows of one tensor: mismatches always (with dumps), all rows with guard_rows=all."""
         words = [None if f == UNVERIFIED else VERDICTS[f] for f in flags]
-        if lanes is None:  # reused verdicts of unchanged weights
+        if chunks is None:  # reused verdicts of unchanged weights
             if self.rows != "all":
                 return 0
             batch = tracer.batch(event, it, None, None, it.fps)
@@ -166,7 +166,7 @@ class Guard:
             if event.source == "resident":
                 batch.on_folded = tracer.resident.remember(event.where, it.name, it.key)
         elif bad:
-            picked = lanes.index_select(0, torch.as_tensor(bad, device=lanes.device)).cpu()
+            picked = chunks.index_select(0, torch.as_tensor(bad, device=chunks.device)).cpu()
             batch = tracer.batch(event, it, None, None, finalize(picked, it.nbytes), rows=bad)
             batch.online = ["mismatch"] * len(bad)
         else:
@@ -176,10 +176,10 @@ class Guard:
         return batch.n_rows if tracer.sink.submit(batch) else 0
 
     def _dumps(self, tracer, batch, it, bad, exp) -> None:
-        if batch.fps is None:  # guard_rows=all: fold the mismatching rows here, as online verification does
+        if batch.fps is None:  # guard_rows=all: the mismatching rows' fingerprints here, as online verification does
             if batch.ready is not None:
                 batch.ready.synchronize()
-            batch.fps, batch.lanes, batch.ready = finalize(batch.lanes, it.nbytes), None, None
+            batch.fps, batch.chunks, batch.ready = finalize(batch.chunks, it.nbytes), None, None
         table = exp.tables.get((batch.model, batch.layer, it.name)) if exp is not None else None
         for j, i in enumerate(bad):
             row = i if self.rows == "all" else j
@@ -197,13 +197,13 @@ class Guard:
         label = event.layer if event.model == "target" else f"{event.model}:{event.layer}"  # the metrics' layer
         bad, fresh_bad, verified_rows = [], 0, {}
         source = self.by_source.setdefault(event.source, dict.fromkeys(VERDICTS, 0))
-        for it, flags, lanes, _ in results:
+        for it, flags, chunks, _ in results:
             c = [flags.count(MATCH), flags.count(MISMATCH), flags.count(UNVERIFIED)]
             verified_rows[(event.layer, it.name)] = c[0] + c[1]
             if c[1]:
                 ids = [e for e, f in zip(event.experts, flags) if f == MISMATCH]
                 bad.append(f"{it.name} of expert{'s' if len(ids) > 1 else ''} {format_ids(ids)}")
-            if lanes is None:
+            if chunks is None:
                 self.tensors["reused"] += len(flags)
                 continue
             counts[(label, it.name)] = c

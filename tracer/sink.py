@@ -1,8 +1,8 @@
 """The per-rank trace writer: captured batches -> Parquet parts + manifest.
 
-The hot path (a forward hook) only enqueues a ``CaptureBatch`` (per-expert lanes
-already on the host, or a CUDA event that says when they will be). A background
-thread folds lanes into fingerprints (``fingerprint.finalize``), checks them
+The hot path (a forward hook) only enqueues a ``CaptureBatch`` (per-expert chunk
+digests already on the host, or a CUDA event that says when they will be). A background
+thread makes them fingerprints (``fingerprint.finalize``: one tensor digest per row), checks them
 against the index when online verification is on, and writes
 
     OUT/<run_id>/rank=<label>/part-NNNNN.parquet   (TRACE_SCHEMA, one row per tensor)
@@ -317,7 +317,7 @@ class TraceSink:
             if fps is None:
                 if b.ready is not None:
                     b.ready.synchronize()
-                fps = finalize(b.lanes, b.nbytes)
+                fps = finalize(b.chunks, b.nbytes)
                 if b.on_folded is not None:  # the resident cache learns these weights' fingerprints
                     b.on_folded(fps)
             digests = [f.digest for f in fps]
@@ -344,7 +344,7 @@ class TraceSink:
             self.drop(b.n_rows, "writer_error")
             self.record_error("sink", f"layer {b.layer} {b.tensor}: {type(err).__name__}: {err}")
         finally:
-            b.lanes = None
+            b.chunks = None
             b.dumps = []
 
     def _dump(self, b: CaptureBatch, expert: int, tensor: torch.Tensor, want: bytes | None, got: bytes) -> None:
