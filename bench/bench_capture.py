@@ -8,8 +8,10 @@ run, rounds interleaved (each candidate once per round), medians of --repeats ro
 - copy:        dst.copy_(src) for the four tensors (what the transport costs;
                on CUDA also the pinned host -> device copy KT does);
 - hook:        Tracer.capture of the four tensors: the part the server waits
-               for (per-chunk lanes on the tensors' device, small D2H copy);
-- end_to_end:  hook + the writer thread's folding (BLAKE2b) and Parquet write.
+               for (chunk digests on the tensors' device, small D2H copy);
+- end_to_end:  hook + the writer thread's tensor digests and Parquet write.
+
+Target (issue 21): the hook on CPU <= 1.5x the copy. Prints the CPU model.
 
     python bench/bench_capture.py                 # full layer on CPU
     python bench/bench_capture.py --quick         # 32 experts, 2 repeats
@@ -24,7 +26,7 @@ import tempfile
 
 import torch
 
-from moetrace.jobs.timing import interleaved, median, median_ratio
+from moetrace.jobs.timing import cpu_description, interleaved, median, median_ratio
 
 from moetrace.tracer.capture import Tracer
 from moetrace.tracer.config import TraceConfig
@@ -102,6 +104,7 @@ def main() -> None:
 
     secs = {k: median(v) for k, v in times.items()}
     result = {
+        "cpu": cpu_description(),
         "device": args.device,
         "layer": {"experts": experts, "hidden": args.hidden, "inter_tp": args.inter_tp, "bytes": nbytes,
                   "tensors": experts * 4},
@@ -114,6 +117,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
+    print(result["cpu"])
     print(f"layer: {experts} experts x 4 tensors, {nbytes / 1e9:.3f} GB on {args.device} "
           f"(medians of {repeats} interleaved rounds)")
     for k, v in secs.items():

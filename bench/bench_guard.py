@@ -5,8 +5,8 @@ H 3072, I 1024; rank 1 of TP2 holds 1.21 GB in 1,024 tensors) and its TP2 index:
 
 - layer:    the guard on rank 1's expected shards (what one staged load leaves in
             ctx.gpu_layer): guard = Tracer.capture with guard "record", rows for
-            mismatches only (lanes on the device, device fold and compare, one result
-            copy). Baselines: dst.copy_(src) of the layer (on CUDA also the pinned host
+            mismatches only (chunk digests computed and compared on the device, one
+            result copy). Baselines: dst.copy_(src) of the layer (on CUDA also the pinned host
             -> device copy, the transport's own cost: the GPU target is guard <= 2% of it)
             and the capture without the guard (hook: what the server waits for; its writer
             thread drains between candidates); rounds interleaved, medians.
