@@ -342,13 +342,23 @@ def finalize(lanes: np.ndarray | torch.Tensor, nbytes: int) -> list[Fingerprint]
     if width != LANES or n != n_chunks_for(nbytes):
         raise ValueError(f"lanes [{r}, {n}, {width}] do not fit {nbytes}-byte rows: expected [{r}, {n_chunks_for(nbytes)}, {LANES}]")
     chunks = chunk_digests(lanes, nbytes)
-    total = int(nbytes).to_bytes(8, "little")
     result = []
     for i in range(r):
         row = chunks[i].tobytes()
-        digest = hashlib.blake2b(total + row, digest_size=16, person=b"moetrace.tensor2").digest()
-        result.append(Fingerprint(digest, row, int(nbytes)))
+        result.append(Fingerprint(tensor_digest(row, nbytes), row, int(nbytes)))
     return result
+
+
+def tensor_digest(chunk_digests: bytes, nbytes: int) -> bytes:
+    """A tensor's 16-byte digest from its concatenated chunk digests and byte length."""
+    total = int(nbytes).to_bytes(8, "little")
+    return hashlib.blake2b(total + bytes(chunk_digests), digest_size=16, person=b"moetrace.tensor2").digest()
+
+
+def chunk_digest(data: bytes | bytearray | memoryview) -> bytes:
+    """The 16-byte digest of one chunk (at most CHUNK_BYTES, not empty): what a tensor's
+    chunk_digests hold for a chunk with these bytes."""
+    return fingerprint_bytes(data).chunk(0)
 
 
 # ---------------------------------------------------------------- public API
