@@ -42,6 +42,13 @@ def default_run_id() -> str:
     return f"{socket.gethostname()}-ppid{os.getppid()}"
 
 
+def check_metrics_ports(port: int | None, tp_size: int | None, option: str = "--metrics-port") -> None:
+    """Every rank serves on port + tp_rank: all of them must be ports (<= 65535)."""
+    if port and tp_size and port + tp_size - 1 > 65535:
+        raise MoetraceError(f"{option} {port}: the {tp_size} ranks would serve on {port}-{port + tp_size - 1}, "
+                            f"past port 65535; give a port <= {65536 - tp_size} (or 0: any free port)")
+
+
 @dataclass(frozen=True)
 class TraceConfig:
     out: str  # local folder or pyarrow/fsspec URL (file://, s3://, gs://, hdfs://)
@@ -139,6 +146,7 @@ class TraceConfig:
         if self.metrics_port is not None and (isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
                                               or not 0 <= self.metrics_port <= 65535):
             raise MoetraceError(f"metrics_port: {self.metrics_port!r}; expected a port number 0-65535 or null")
+        check_metrics_ports(self.metrics_port, self.tp_size, "metrics_port")
         if self.metrics_port is not None and not self.guard:
             raise MoetraceError("metrics_port: the metrics are the guard's; give guard (record, alert or fail-closed)")
         if self.update_index_dir is not None and not self.guard:
