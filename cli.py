@@ -14,8 +14,9 @@ from moetrace.errors import MoetraceError
 
 class _Group(click.Group):
     """Every failure is one line on stderr and a non-zero exit, never a traceback:
-    MoetraceError with its exit code, a usage error with 2, any unexpected error with 2
-    (1 is reserved for "divergence found"), Ctrl-C with 130. MOETRACE_DEBUG=1 re-raises
+    MoetraceError with its exit code, a usage error with 2, an OSError (disk, permission,
+    network) with 2, any unexpected error with 2 (1 is reserved for "divergence found"),
+    Ctrl-C with 130. MOETRACE_DEBUG=1 re-raises
     unexpected errors, for the traceback."""
 
     def invoke(self, ctx):
@@ -37,6 +38,13 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("moetrace: interrupted", err=True)
             sys.exit(130)
+        except OSError as err:  # the machine's or the network's answer (disk, permission, endpoint): not a bug
+            if os.environ.get("MOETRACE_DEBUG"):
+                raise
+            from moetrace.storage import remote_reason
+
+            click.echo(f"moetrace: error: {remote_reason(err)}", err=True)
+            sys.exit(2)
         except Exception as err:
             if os.environ.get("MOETRACE_DEBUG"):
                 raise
