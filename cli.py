@@ -14,8 +14,9 @@ from moetrace.errors import MoetraceError
 
 class _Group(click.Group):
     """Every failure is one line on stderr and a non-zero exit, never a traceback:
-    MoetraceError with its exit code, a usage error with 2, any unexpected error with 2
-    (1 is reserved for "divergence found"), Ctrl-C with 130. MOETRACE_DEBUG=1 re-raises
+    MoetraceError with its exit code, a usage error with 2, an OSError (disk, permission,
+    network) with 2, any unexpected error with 2 (1 is reserved for "divergence found"),
+    Ctrl-C with 130. MOETRACE_DEBUG=1 re-raises
     unexpected errors, for the traceback."""
 
     def invoke(self, ctx):
@@ -37,6 +38,13 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("moetrace: interrupted", err=True)
             sys.exit(130)
+        except OSError as err:  # the machine's or the network's answer (disk, permission, endpoint): not a bug
+            if os.environ.get("MOETRACE_DEBUG"):
+                raise
+            from moetrace.storage import remote_reason
+
+            click.echo(f"moetrace: error: {remote_reason(err)}", err=True)
+            sys.exit(2)
         except Exception as err:
             if os.environ.get("MOETRACE_DEBUG"):
                 raise
@@ -44,6 +52,26 @@ class _Group(click.Group):
             click.echo(f"moetrace: error: unexpected {type(err).__name__}: {why} "
                        "(a moetrace bug: please report it; MOETRACE_DEBUG=1 shows the traceback)", err=True)
             sys.exit(2)
+
+
+class Seconds(click.ParamType):
+    """A duration option: a finite number of seconds >= minimum (NaN or inf would make a
+    wait endless or a deadline never reached)."""
+
+    name = "seconds"
+
+    def __init__(self, minimum: float = 0.0):
+        self.minimum = minimum
+
+    def convert(self, value, param, ctx):
+        from moetrace.storage import finite_seconds
+
+        if isinstance(value, float):
+            return value
+        try:
+            return finite_seconds(value, "/".join(param.opts) if param else "seconds", self.minimum)
+        except MoetraceError as err:
+            self.fail(str(err).split(": ", 1)[-1], param, ctx)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -54,6 +82,50 @@ def main() -> None:
 
 def _stderr(message: str) -> None:
     click.echo(message, err=True)
+
+
+SEED = click.IntRange(-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed takes
+
+
+def _writable_dir(path: str | None, option: str) -> None:
+    """Before any work: a folder option must be (or be creatable as) a folder we can write;
+    probed with a temp file in its nearest existing folder, nothing left behind."""
+    if not path:
+        return
+    import tempfile
+
+    from moetrace import storage
+
+    storage.check_output(path, option, kind="dir")
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    try:
+        if not os.path.isdir(probe):
+            raise NotADirectoryError(20, f"{probe} is not a directory")
+        fd, tmp = tempfile.mkstemp(prefix=".moetrace-probe-", dir=probe)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as err:
+        raise MoetraceError(f"{option} {path}: cannot write there ({err.strerror or err})") from None
+
+
+def _output_files(pairs: list[tuple[str, str | None]]) -> None:
+    """Before any work: each given output file is a non-empty path, no two options name
+    the same file, and each can be written (storage.probe_output)."""
+    from moetrace import storage
+
+    seen: dict[str, str] = {}
+    for option, path in pairs:
+        if path is None:
+            continue
+        if not str(path).strip():
+            raise MoetraceError(f"{option}: an empty path; give a file name")
+        key = os.path.realpath(path) if storage.local_path(path) is not None else str(path)
+        if key in seen:
+            raise MoetraceError(f"{option} {path}: {seen[key]} writes the same file; give each report its own path")
+        seen[key] = option
+        storage.probe_output(path, option)
 
 
 # Commands register themselves below, one section per area of the data flow.
@@ -68,17 +140,19 @@ def _stderr(message: str) -> None:
 @click.option("--block", default="128", show_default=True,
               help="fp8_block scale block: N (N x N) or N,K (block_n over output rows, block_k over input columns).")
 @click.option("--fused", is_flag=True, help="BF16 only: write fused 3-D mlp.experts.gate_up_proj/down_proj (Qwen3.5 BF16 layout).")
-@click.option("--layers", type=int, default=2, show_default=True, help="num_hidden_layers, dense layers included.")
-@click.option("--experts", type=int, default=8, show_default=True, help="Routed experts per MoE layer.")
-@click.option("--hidden", type=int, default=256, show_default=True, help="hidden_size.")
-@click.option("--intermediate", type=int, default=256, show_default=True,
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="num_hidden_layers, dense layers included.")
+@click.option("--experts", type=click.IntRange(min=1), default=8, show_default=True, help="Routed experts per MoE layer.")
+@click.option("--hidden", type=click.IntRange(min=1), default=256, show_default=True, help="hidden_size.")
+@click.option("--intermediate", type=click.IntRange(min=1), default=256, show_default=True,
               help="moe_intermediate_size; I/TP must be a multiple of 128 for fp8_block.")
 @click.option("--scale-dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="bfloat16",
               show_default=True, help="Stored dtype of FP8 scales (SGLang holds them as float32).")
-@click.option("--files", type=int, default=2, show_default=True, help="Safetensors files; >1 writes model.safetensors.index.json.")
-@click.option("--dense-layers", type=int, default=0, show_default=True,
+@click.option("--files", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Safetensors files; >1 writes model.safetensors.index.json.")
+@click.option("--dense-layers", type=click.IntRange(min=0), default=0, show_default=True,
               help="Leading dense layers (first_k_dense_replace / mlp_only_layers).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Changes every value (synthetic_values seed).")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Changes every value (synthetic_values seed).")
 @click.option("-o", "--out", required=True, help="New or empty output directory (written whole or not at all).")
 @click.option("--json", "as_json", is_flag=True, help='Print {"path": ..., "identity": ...} instead of the path.')
 def make_checkpoint(family, fmt, quant_method, block, fused, layers, experts, hidden, intermediate, scale_dtype, files,
@@ -106,6 +180,7 @@ def make_checkpoint(family, fmt, quant_method, block, fused, layers, experts, hi
         sizes = ()
     if len(sizes) not in (1, 2):
         raise MoetraceError(f"--block {block!r}: expected N or N,K (positive integers)")
+    _fits_in_memory(layers - dense_layers, experts, hidden, intermediate, 2 if fmt == "bf16" else 1)
     path = write_synthetic_checkpoint(
         out, family=family, fmt=fmt, num_layers=layers, num_experts=experts, hidden=hidden, intermediate=intermediate,
         scale_dtype=scale_dtype, num_files=files, dense_layers=dense_layers, seed=seed, fused=fused,
@@ -175,6 +250,20 @@ def index_cmd(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layou
         how = "reused cached index" if summary["reused_cache"] else f"fingerprinted {summary['bytes_fingerprinted'] / 1e6:.1f} MB"
         click.echo(f"wrote {summary['rows']} rows to {summary['index']} ({how}, {summary['seconds']} s, "
                    f"checkpoint {summary['checkpoint_id']})")
+
+
+def _fits_in_memory(moe_layers: int, experts: int, hidden: int, intermediate: int, itemsize: int) -> None:
+    """make-checkpoint holds every tensor in memory before writing: refuse sizes past
+    half of the machine's memory, in one line, before allocating any."""
+    need = max(moe_layers, 1) * (experts + 1) * 3 * hidden * intermediate * itemsize
+    try:
+        available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return
+    if need > available // 2:
+        raise MoetraceError(f"make-checkpoint: --layers/--experts/--hidden/--intermediate need about "
+                            f"{need / 2**30:,.1f} GiB of expert weights in memory, more than half of this "
+                            f"machine's {available / 2**30:,.1f} GiB; give smaller sizes")
 
 
 class _NullBar:
@@ -287,7 +376,7 @@ def hook_spec_cmd(pretty, **kw):
 
 def _stop_options(f):
     """Options of every command that launches a server: run-id reuse and how it is stopped."""
-    f = click.option("--stop-grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
+    f = click.option("--stop-grace", type=Seconds(0), default=30.0, show_default=True,
                      help="Seconds the server's process group gets after the stop signal before it is killed "
                           "(a second Ctrl-C kills at once).")(f)
     return click.option("--replace", is_flag=True,
@@ -301,7 +390,7 @@ def _stop_options(f):
                    "own --help decides; split = --disable-prefill/decode-cuda-graph; legacy = --disable-cuda-graph.")
 @click.option("--keep-cuda-graph", is_flag=True,
               help="Do not add the flags that disable CUDA graphs (hooks then miss graph-replayed steps).")
-@click.option("--close-timeout", type=click.FloatRange(min=0), default=20.0, show_default=True,
+@click.option("--close-timeout", type=Seconds(0), default=20.0, show_default=True,
               help="Seconds to wait for the ranks to close their traces before stopping the server.")
 @_stop_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
@@ -352,6 +441,9 @@ def _analysis_options(f, trace_required: bool = True):
                      help="Summary lines shown in the terminal."),
         click.option("--max-rows", type=click.IntRange(min=0), default=1000, show_default=True,
                      help="Divergent entries listed in the JSON/Markdown reports."),
+        click.option("--remote-timeout", type=Seconds(0.001), default=None,
+                     help="Seconds a remote trace or index (s3://, gs://...) may take to connect or answer one "
+                          "request [default: $MOETRACE_REMOTE_TIMEOUT, else 20]."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -384,7 +476,12 @@ def _analysis_opts(kw: dict):
     """The analysis options of analyze/audit, popped from the command's keyword arguments."""
     from moetrace.jobs.audit import AnalysisOptions, ReportFiles
 
+    from moetrace.storage import set_remote_timeout
+
+    set_remote_timeout(kw.pop("remote_timeout"))
     reports = ReportFiles(**{k: kw.pop(k) for k in ("json_out", "markdown", "junit", "plot")})
+    _output_files([("--json-out", reports.json_out), ("--markdown", reports.markdown), ("--junit", reports.junit),
+                   ("--plot", reports.plot)])
     return AnalysisOptions(trace=tuple(kw.pop("trace")), index=kw.pop("index_path"), checkpoint=kw.pop("checkpoint"),
                            as_json=kw.pop("as_json"), reports=reports, max_lines=kw.pop("max_lines"),
                            max_rows=kw.pop("max_rows"))
@@ -407,7 +504,7 @@ def _launch_options(f):
                      help="Tokens generated per request (--launch)."),
         click.option("--base-url", default=None,
                      help="Server URL (default: http://127.0.0.1:<--port of the command, else 30000>)."),
-        click.option("--ready-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
+        click.option("--ready-timeout", type=Seconds(1), default=600.0, show_default=True,
                      help="Seconds to wait for /health (--launch)."),
         click.option("--hook-config", type=click.Path(exists=True, dir_okay=False), default=None,
                      help="JSON file of extra hook config keys (sampling etc., docs/capture.md) (--launch)."),
@@ -510,11 +607,8 @@ def demo_cmd(workdir, device, quick, transport, as_json):
     """
     from moetrace.jobs import demo
 
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise MoetraceError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
+    _cuda_or_refuse(device)
+    _writable_dir(workdir, "--workdir")
     echo = (lambda s: None) if as_json else (lambda s: click.echo(s))
     summary = demo.run_demo(workdir, device=device, quick=quick, echo=echo, transport=transport)
     if as_json:
@@ -522,6 +616,14 @@ def demo_cmd(workdir, device, quick, transport, as_json):
     else:
         demo.print_demo(summary, echo)
     sys.exit(0 if summary["race_found"] and summary["fix_validated"] else 1)
+
+
+def _cuda_or_refuse(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise MoetraceError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
 
 
 @main.command("serve")
@@ -547,8 +649,8 @@ def demo_cmd(workdir, device, quick, transport, as_json):
               '([{"name", "target_modules", "hook_factory": "pkg.mod:fn", "config"}]).')
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="cpu: threads stand in for copy streams; cuda: copy stream, events, pinned slots.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic non-expert weights.")
-@click.option("--op-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the synthetic non-expert weights.")
+@click.option("--op-timeout", type=Seconds(0.1), default=30.0, show_default=True,
               help="Seconds any staging wait may take before the server fails with a clear error.")
 @click.option("--ready-file", default=None, type=click.Path(dir_okay=False, path_type=str),
               help='Write {"url", "port", "pid", "rank_pids", "shm_prefix"} here once listening.')
@@ -578,6 +680,8 @@ def serve_cmd(checkpoint, model_path, tp, fence, slow_rank, host, port, chunk_to
     path = checkpoint or model_path
     if not path:
         raise MoetraceError("serve: give the checkpoint directory (CHECKPOINT or --model-path)")
+    _cuda_or_refuse(device)
+    _output_files([("--ready-file", ready_file)])
     cfg = as_config(path, tp=tp, fence=fence, slow_rank=None if slow_rank < 0 else slow_rank, host=host, port=port,
                     chunk_tokens=chunk_tokens, prefill_threshold=prefill_threshold, device=device, seed=seed,
                     forward_hooks=parse_forward_hooks(forward_hooks), op_timeout_s=op_timeout)
@@ -610,6 +714,7 @@ def selftest_cmd(device, quick, only, workdir, as_json):
 
     from moetrace.jobs import selftest as st
 
+    _writable_dir(workdir, "--workdir")
     code, proofs = st.run_selftest(device, quick, workdir, tuple(only) or ("fingerprint", "detector", "throughput"))
     if as_json:
         click.echo(json.dumps(st.as_json(code, proofs, device), indent=2))
@@ -654,6 +759,8 @@ def conform_cmd(fork_path, fmt, tp, experts, schedule, patch_fence, writer, work
     """
     from moetrace.jobs.conform import Case, conform_main
 
+    _writable_dir(workdir, "--workdir")
+    _output_files([("--json-out", json_out)])
     case = Case(fmt, schedule, patch_fence, writer, experts, fork_path)
     sys.exit(conform_main(case, tp, workdir, json_out, echo=click.echo))
 

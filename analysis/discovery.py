@@ -150,7 +150,8 @@ def _expand(path: str) -> list[tuple[pafs.FileSystem, str, str]]:
     # remote glob: list below the longest literal prefix, match the rest
     prefix = re.split(r"[*?\[]", p, 1)[0].rsplit("/", 1)[0]
     infos = fs.get_file_info(pafs.FileSelector(prefix, recursive=True, allow_not_found=True))
-    return [(fs, i.path, i.path) for i in infos if fnmatch.fnmatch(i.path, p)]
+    depth = p.count("/")  # as a local glob: `*` never crosses a "/" (not into rank folders' files)
+    return [(fs, i.path, i.path) for i in infos if i.path.count("/") == depth and fnmatch.fnmatch(i.path, p)]
 
 
 def discover(paths: Sequence[str]) -> list[RankDir]:

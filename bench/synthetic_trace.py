@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import torch
 
 from moetrace.checkpoints.index import INDEX_META_KEY, write_index
-from moetrace.fingerprint import CHUNK_BYTES, FP_VERSION, fingerprint
+from moetrace.fingerprint import CHUNK_BYTES, FP_VERSION, fingerprint, tensor_digest
 from moetrace.schema import COPY_ORDERS, INDEX_SCHEMA, INDEX_SCHEMA_VERSION, TRACE_SCHEMA, TRACE_SCHEMA_VERSION
 from moetrace.tracer.manifest import MANIFEST_NAME, RUN_MANIFEST_NAME, new_rank_manifest, new_run_manifest, rank_dir_name
 
@@ -33,7 +33,7 @@ def _rand16(rng: np.random.Generator, n: int) -> np.ndarray:
 
 def bench_index(path: str, layers: int = 48, experts: int = 256, tp: int = 2, seed: int = 0,
                 checkpoint_id: str = "bench-qwen35-122b") -> dict:
-    """Index with random fingerprints and chunk digests; returns arrays for the trace writer."""
+    """Index with random chunk digests (digests derived from them); returns arrays for the trace writer."""
     rng = np.random.default_rng(seed)
     tensors = list(COPY_ORDERS["fp8_block"])
     R, L, E, T = np.meshgrid(np.arange(tp), np.arange(layers), np.arange(experts), np.arange(len(tensors)), indexing="ij")
@@ -41,9 +41,12 @@ def bench_index(path: str, layers: int = 48, experts: int = 256, tp: int = 2, se
     n = len(R)
     nbytes = np.array([int(np.prod(BENCH_SHAPES[t][0])) * BENCH_SHAPES[t][2] for t in tensors], np.int64)[T]
     nchunks = -(-nbytes // CHUNK_BYTES)
-    fps = _rand16(rng, n)
     chunk_words = _rand16(rng, int(nchunks.sum()))
     offsets = np.r_[0, np.cumsum(nchunks * 16)].astype(np.int32)
+    # random chunk digests; each digest follows from them, as every index read checks
+    blob = chunk_words.tobytes()
+    fps = np.frombuffer(b"".join(tensor_digest(blob[offsets[i]:offsets[i + 1]], int(nbytes[i])) for i in range(n)),
+                        "<i8").reshape(n, 2)
     chunk_arr = pa.BinaryArray.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(chunk_words.tobytes())])
     shapes = [list(BENCH_SHAPES[t][0]) for t in tensors]
     tnames = pa.array(tensors)

@@ -6,7 +6,8 @@ shard SGLang's FusedMoE holds for that expert on a rank of that moe_tp_rank
 with EPLB any rank may hold any expert in any slot. JSON metadata under
 ``INDEX_META_KEY``: checkpoint_id, tp_size, ep_size, moe_dp_size, layers, versions.
 ``read_index`` is the one reader: it checks the schema and fingerprint versions
-for online verification and the analysis alike. Light to import (no safetensors):
+and every row it returns (checkpoints.index_checks: a corrupt index is refused by
+name, exit 2) for online verification, the guard and the analysis alike. Light to import (no safetensors):
 the capture side reads indexes inside a server. Building: checkpoints.index_build.
 """
 
@@ -24,6 +25,7 @@ import pyarrow.parquet as pq
 
 from moetrace import fingerprint as fpdef
 from moetrace import storage
+from moetrace.checkpoints import index_checks
 from moetrace.errors import MoetraceError
 from moetrace.schema import INDEX_SCHEMA_VERSION
 
@@ -61,6 +63,9 @@ def _checked_metadata(path, pf: pq.ParquetFile) -> dict:
         meta = json.loads(raw)
     except ValueError:
         raise MoetraceError(f"index {path}: garbled moetrace index metadata (rebuild it with `moetrace index`)") from None
+    if not isinstance(meta, dict):
+        raise MoetraceError(f"index {path}: its metadata is a JSON {type(meta).__name__}, not an object; "
+                            "rebuild it with `moetrace index`")
     if meta.get("fp_version") != fpdef.FP_VERSION:  # first: digests of two versions are never compared
         raise MoetraceError(f"index {path}: fingerprint version {meta.get('fp_version')}, this moetrace computes "
                             f"version {fpdef.FP_VERSION}; rebuild it with `moetrace index`")
@@ -71,6 +76,7 @@ def _checked_metadata(path, pf: pq.ParquetFile) -> dict:
     missing = [c for c in REQUIRED_COLUMNS if c not in pf.schema_arrow.names]
     if missing:
         raise MoetraceError(f"index {path}: lacks column(s) {', '.join(missing)}; rebuild it with `moetrace index`")
+    index_checks.check_metadata(path, meta)
     return meta
 
 
@@ -85,17 +91,19 @@ def read_index(path: str | os.PathLike, columns: Sequence[str] | None = None,
     (those of one moe_tp_rank). The table's schema metadata keeps the index metadata
     (``INDEX_META_KEY``)."""
     pf = _open(path)
-    _checked_metadata(path, pf)
+    meta = _checked_metadata(path, pf)
     names = pf.schema_arrow.names
-    extra = ["moe_tp_rank"] if moe_tp_rank is not None else []
-    cols = None if columns is None else [c for c in dict.fromkeys(list(columns) + extra) if c in names]
+    # Every read is checked (index_checks): the columns the checks need are read too.
+    wanted = list(columns) if columns is not None else list(names)
+    cols = [c for c in dict.fromkeys(wanted + list(index_checks.CHECKED_COLUMNS)) if c in names]
     try:
         table = pf.read(columns=cols)
     except (OSError, pa.ArrowException) as err:
         raise MoetraceError(f"index {path}: unreadable ({_first_line(err)})") from None
     if moe_tp_rank is not None:
         table = table.filter(pc.equal(table.column("moe_tp_rank"), moe_tp_rank))
-    return table
+    index_checks.check_rows(path, meta, table, moe_tp_rank)
+    return table.select([c for c in wanted if c in table.column_names])
 
 
 def _first_line(err: BaseException) -> str:

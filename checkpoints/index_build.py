@@ -27,6 +27,7 @@ import torch
 from moetrace import __version__
 from moetrace import fingerprint as fpdef
 from moetrace import storage
+from moetrace.checkpoints import index_cache
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
 from moetrace.checkpoints.reader import Checkpoint, draft_checkpoint, open_checkpoint
@@ -224,6 +225,7 @@ def cache_key(checkpoint: str | os.PathLike, opts: IndexOptions, identity: str |
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     h.update(json.dumps(asdict(opts), sort_keys=True).encode())
+    h.update(index_cache.headers_digest(checkpoint).encode())  # a hit is then proved on data: verify_hit
     return h.hexdigest()[:24]
 
 
@@ -247,11 +249,14 @@ def cached_index(
     if not path.exists():
         _writable_cache()
     if path.exists():
-        try:
-            index_metadata(path)
+        par = Parallel(tp_size=tp_size, ep_size=ep_size, layout=layout, moe_dp_size=moe_dp_size)
+        try:  # the key hashes no tensor data: a hit must reproduce a sample of it (checkpoints.index_cache)
+            differs = index_cache.verify_hit(path, ckpt, par)
+        except MoetraceError as err:
+            differs = str(err)
+        if differs is None:
             return path, True
-        except MoetraceError:
-            path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
     table = build_index(checkpoint, tp_size, ep_size, resolved, layout, device, progress, stats, moe_dp_size)
     write_index(table, path, "MOETRACE_CACHE")
     return path, False

@@ -365,6 +365,10 @@ def _write_files(out: Path, cfg: dict, tensors: dict[str, torch.Tensor], num_fil
         return
     files = [f"model-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
     weight_map = {name: files[(i + i // 5) % num_files] for i, name in enumerate(tensors)}
+    empty = len(files) - len(set(weight_map.values()))
+    if empty:  # a file no tensor is listed in: `moetrace index` refuses such a checkpoint as ambiguous
+        raise MoetraceError(f"--files {num_files}: the checkpoint's {len(tensors)} tensors would leave {empty} "
+                            "file(s) empty; give fewer files")
     for fname in files:
         part = {n: t for n, t in tensors.items() if weight_map[n] == fname}
         save_file(part, str(out / fname), metadata={"format": "pt"})

@@ -37,7 +37,8 @@ from moetrace.schema import parse_rank_label
 from moetrace.hooks.process import ServerGroup
 from moetrace.hooks.server import (FLAG_CHOICES, LEGACY_CUDA_GRAPH_FLAGS, cuda_graph_flags_for, invokes_sglang,
                                    server_distribution)
-from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec
+from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec, index_fits
+from moetrace.tracer.config import check_metrics_ports
 from moetrace import storage
 from moetrace.tracer.manifest import (
     RUN_MANIFEST_NAME,
@@ -53,6 +54,7 @@ from moetrace.tracer.manifest import (
 )
 
 TP_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size")
+MODEL_FLAGS = ("--model-path", "--model")
 
 
 def _flag_value(cmd: Sequence[str], names: Sequence[str]) -> str | None:
@@ -185,6 +187,9 @@ class Launcher:
         config.pop("run_nonce", None)  # every launch is a new one, whatever a hook config file says
         self.spec = hook_spec(config, targets)
         self.config = self.spec[0]["config"]
+        if self.config.get("index"):  # what the server command tells: its TP size and checkpoint folder
+            index_fits(self.config["index"], expected_tp(self.user_cmd), _flag_value(self.user_cmd, MODEL_FLAGS))
+        check_metrics_ports(self.config.get("metrics_port"), expected_tp(self.user_cmd))
         self.run_id, self.nonce = self.config["run_id"], self.config["run_nonce"]
         self.control_dir = tempfile.mkdtemp(prefix="moetrace-ctl-")
         self.control_file = self.config["control_file"] = os.path.join(self.control_dir, f"{self.run_id}.close")

@@ -11,7 +11,8 @@ runner does the same for its own model. The factory
 - finds this worker's identity (TP rank, pipeline stage, replica: hooks.ranks),
 - opens (once per process and run) the tracer and its Parquet sink,
 - wraps KT's ``SharedFullContext.load`` when the server is a KT server,
-- with the guard on, listens to the server's weight-update entry points,
+- with the guard on, listens to the server's weight-update entry points and checks
+  that the index is of the checkpoint the server loaded (tracer.index_fit),
 - returns a FusedMoE capture hook bound to that model.
 
 It never raises into the server: a bad config or an unwritable output logs an
@@ -31,6 +32,7 @@ from moetrace.hooks.ranks import detect_process
 from moetrace.hooks.registration import Registration, bind_modules, find_registration, model_name
 from moetrace.tracer.capture import Tracer
 from moetrace.tracer.config import TraceConfig
+from moetrace.tracer.index_fit import checkpoint_misfit, model_path_of
 
 log = logging.getLogger("moetrace.hooks")
 
@@ -99,6 +101,11 @@ def make_hook(config: dict | None):
     except Exception as err:
         tracer.record_error("model_identity", err)
         model = "target"
+    if tracer.guard is not None and tracer.guard.expectation is not None and model == "target" and reg is not None:
+        try:  # the index of another checkpoint would fail every compare: unverified, said once
+            tracer.guard.misfit(checkpoint_misfit(tracer.guard.expectation.meta, model_path_of(reg.runner)))
+        except Exception as err:
+            tracer.record_error("guard_fit", err)
     try:
         install_kt_capture(tracer, cfg.kt)
     except Exception as err:

@@ -8,6 +8,7 @@ import os
 from moetrace.checkpoints.index import index_metadata
 from moetrace.errors import MoetraceError
 from moetrace.schema import parse_ids
+from moetrace.tracer import index_fit
 from moetrace.tracer.config import TraceConfig, new_run_id, new_run_nonce
 
 FACTORY_PATH = "moetrace.hooks.sglang_hook:make_hook"
@@ -35,7 +36,21 @@ def hook_config(config: dict) -> dict:
     if conf.get("update_index_dir") and not os.path.isdir(conf["update_index_dir"]):
         raise MoetraceError(f"--update-index-dir {conf['update_index_dir']}: no such folder")
     TraceConfig.from_dict(conf)  # raises MoetraceError on anything wrong
+    if conf.get("index"):
+        index_fits(conf["index"], tp_size=conf.get("tp_size"), checkpoint_id=conf.get("checkpoint_id"))
     return conf
+
+
+def index_fits(index: str, tp_size: int | None = None, model_path: str | None = None,
+               checkpoint_id: str | None = None) -> None:
+    """Refuse an index that cannot fit the server as far as the options tell (tracer.index_fit):
+    the guard would only say `unverified`, and the trace could not be audited against it."""
+    meta = index_metadata(index)
+    why = (index_fit.tp_misfit(meta, tp_size) or index_fit.checkpoint_id_misfit(meta, checkpoint_id)
+           or index_fit.checkpoint_misfit(meta, model_path))
+    if why:
+        raise MoetraceError(f"--index {index}: does not fit the server: {why}; build the index for it with "
+                            "`moetrace index`")
 
 
 def hook_spec(config: dict, targets=DEFAULT_TARGETS, name: str = SPEC_NAME) -> list[dict]:

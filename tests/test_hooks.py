@@ -458,7 +458,10 @@ def test_every_capture_option_reaches_the_hook_config(small_index, tmp_path):
 
     from moetrace.cli import hook_spec_cmd, main
 
-    given = {"--run-id": "r1", "--checkpoint-id": "abc", "--layers": "0", "--experts": "0-3", "--tensors": "w2_weight",
+    from moetrace.checkpoints.index import index_metadata
+
+    ident = index_metadata(small_index)["checkpoint_id"]  # another id than the index's is refused (tracer.index_fit)
+    given = {"--run-id": "r1", "--checkpoint-id": ident, "--layers": "0", "--experts": "0-3", "--tensors": "w2_weight",
              "--sources": "staged", "--every": "2", "--first": "3", "--index": small_index, "--chunk-digests": "mismatch",
              "--dump-max-count": "1", "--dump-max-bytes": "100", "--guard": "alert", "--guard-rows": "all",
              "--metrics-port": "0", "--update-index-dir": str(tmp_path), "--queue-size": "4", "--max-hook-errors": "3",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -220,3 +221,52 @@ def test_device_paths_give_the_cpu_index(ckpt, monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(MoetraceError, match="--device cuda: CUDA is not available"):
             ixb.build_index(ckpt, 2, layers=[1], device="cuda")
+
+
+def test_cache_hit_is_proved_on_data_not_on_names_sizes_and_mtimes(ckpt, tmp_path, monkeypatch):
+    """Issue 24 item 8: a checkpoint with ckpt's shapes, file names, sizes and mtimes but
+    other values shares its cache key; its index must be its own, never ckpt's."""
+    from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
+
+    monkeypatch.setenv("MOETRACE_CACHE", str(tmp_path / "cache"))
+    other = write_synthetic_checkpoint(tmp_path / "b", num_layers=3, num_experts=E, hidden=H, intermediate=I,
+                                       dense_layers=1, seed=7)
+    shutil.copyfile(Path(ckpt) / "config.json", Path(other) / "config.json")  # the synthetic config names its seed
+    for fa in sorted(Path(ckpt).iterdir()):
+        st = fa.stat()
+        assert (Path(other) / fa.name).stat().st_size == st.st_size
+        os.utime(Path(other) / fa.name, ns=(st.st_atime_ns, st.st_mtime_ns))
+    opts = ixb.IndexOptions(2, layers=(1, 2))
+    assert ixb.cache_key(ckpt, opts) == ixb.cache_key(other, opts)  # the collision the data check answers
+    pa_path, _ = ixb.cached_index(ckpt, 2)
+    pb_path, reused = ixb.cached_index(other, 2)
+    assert not reused and pb_path == pa_path
+    fresh = ixb.build_index(other, 2).column("digest").to_pylist()
+    assert pq.read_table(pb_path).column("digest").to_pylist() == fresh
+    assert fresh != ixb.build_index(ckpt, 2).column("digest").to_pylist()  # negative control: the data differ
+    assert ixb.cached_index(other, 2)[1]  # its own entry is then a hit
+
+
+def test_cache_hit_sample_catches_one_changed_chunk(ckpt, tmp_path, monkeypatch):
+    """verify_hit compares sampled chunk digests: a cached index with one chunk digest of
+    every row changed (digests rehashed to stay consistent) is not the checkpoint's."""
+    import random
+
+    from moetrace.checkpoints import index_cache
+    from moetrace.checkpoints.reader import open_checkpoint
+    from moetrace.checkpoints.shards import Parallel
+    from moetrace import fingerprint as fpdef
+    import pyarrow as pa
+
+    path = tmp_path / "i.parquet"
+    t = ixb.build_index(ckpt, 2)
+    ix.write_index(t, path)
+    par = Parallel(2)
+    assert index_cache.verify_hit(path, open_checkpoint(ckpt), par) is None
+    chunks = [bytes([c[0] ^ 1]) + c[1:] for c in t.column("chunk_digests").to_pylist()]
+    digests = [fpdef.tensor_digest(c, n) for c, n in zip(chunks, t.column("nbytes").to_pylist())]
+    bad = t.set_column(t.column_names.index("chunk_digests"), "chunk_digests", pa.array(chunks, pa.binary()))
+    bad = bad.set_column(bad.column_names.index("digest"), "digest", pa.array(digests, pa.binary(16)))
+    ix.write_index(bad.replace_schema_metadata(t.schema.metadata), path)
+    why = index_cache.verify_hit(path, open_checkpoint(ckpt), par, random.Random(1))
+    assert why is not None and "are not the cached index's" in why

@@ -130,3 +130,85 @@ def test_duckdb_counts_divergences_per_run_with_its_own_s3_reader(s3, traces):
     assert set(per_run) == {"bad", "good", "killed"}
     assert per_run["good"][0] == 0 and per_run["killed"][0] == 0 and per_run["bad"][0] == 1
     assert per_run["good"][1] == per_run["bad"][1] > 0
+
+
+def test_a_glob_of_runs_on_s3(traces):
+    """Issue 24 item 16: a remote `*` matches run folders, never the files inside rank
+    folders (`_claim.json is a file`)."""
+    r = CliRunner().invoke(main, ["analyze", f"{OUT}/*", "--index", str(traces["index"])])
+    assert r.exit_code == 0 and "is a file" not in r.output, r.output
+    assert all(run in r.output for run in ("good", "bad")), r.output
+
+
+class _Forbidden:
+    """A loopback HTTP server that answers 403 to every request, as S3 does to bad keys."""
+
+    def __enter__(self):
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _deny(self):
+                self.send_response(403)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_HEAD = do_GET = do_PUT = _deny
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self.server.server_address[1]
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def no_aws(monkeypatch):
+    for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+                 "AWS_EC2_METADATA_DISABLED": "true", "MOETRACE_REMOTE_TIMEOUT": "2"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+
+
+def _one_line(r, *words):
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("moetrace: error: "), r.output
+    assert "bug" not in lines[0] and all(w in lines[0] for w in words), lines[0]
+
+
+def test_s3_faults_are_one_line_naming_the_endpoint_and_the_cause(no_aws, small_index):
+    """Issue 24 items 15-16: a closed port, an endpoint that accepts and never answers, a
+    403: exit 2, one line naming the endpoint and the cause, within the timeout (2 s
+    here: a hang would stall this test, never pass it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    url = "s3://bkt/traces/x?endpoint_override=http://127.0.0.1:{}"
+    _one_line(audit(url.format(closed), "--index", small_index), f"127.0.0.1:{closed}", "connection refused")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # accepts (the kernel does), never answers
+        port = silent.getsockname()[1]
+        r = audit(url.format(port), "--index", small_index)
+    _one_line(r, f"127.0.0.1:{port}")
+    assert "within 2 s" in r.output or "timed out" in r.output, r.output
+    with _Forbidden() as port:
+        _one_line(audit(url.format(port), "--index", small_index), f"127.0.0.1:{port}", "access denied (403)")
+
+
+def test_gcs_without_credentials_or_network_does_not_hang(no_aws, small_index):
+    _one_line(audit("gs://moetrace-no-such-bucket/x", "--index", small_index), "gs://moetrace-no-such-bucket/x")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "soon"])
+def test_remote_timeout_must_be_a_finite_duration(no_aws, small_index, monkeypatch, value):
+    monkeypatch.setenv("MOETRACE_REMOTE_TIMEOUT", value)
+    _one_line(audit("s3://bkt/x", "--index", small_index), "MOETRACE_REMOTE_TIMEOUT")

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import asdict, dataclass, field, fields
 
 from moetrace.errors import MoetraceError
+from moetrace.storage import finite_seconds
 from moetrace.tracer.sampling import Sampling
 
 CHUNK_DIGEST_MODES = ("all", "mismatch", "none")
@@ -40,6 +41,25 @@ def default_run_id() -> str:
     if env:
         return env
     return f"{socket.gethostname()}-ppid{os.getppid()}"
+
+
+def check_run_id(run_id) -> None:
+    """A run id names the folder OUT/<run_id>: one plain path component that no reader
+    takes for something else (a hidden file, a hive partition `key=value`, a rank folder)."""
+    if not isinstance(run_id, str) or not run_id:
+        raise MoetraceError(f"run_id: {run_id!r}; expected a non-empty string")
+    bad = sorted({c for c in run_id if c in "/\\=" or ord(c) < 32 or ord(c) == 127})
+    if bad or run_id.startswith(".") or run_id != run_id.strip():
+        why = (f"holds {', '.join(repr(c) for c in bad)}" if bad else "starts with '.'" if run_id.startswith(".")
+               else "starts or ends with white space")
+        raise MoetraceError(f"run_id: {run_id!r} {why}; a run id is one folder name (letters, digits, - _ . :)")
+
+
+def check_metrics_ports(port: int | None, tp_size: int | None, option: str = "--metrics-port") -> None:
+    """Every rank serves on port + tp_rank: all of them must be ports (<= 65535)."""
+    if port and tp_size and port + tp_size - 1 > 65535:
+        raise MoetraceError(f"{option} {port}: the {tp_size} ranks would serve on {port}-{port + tp_size - 1}, "
+                            f"past port 65535; give a port <= {65536 - tp_size} (or 0: any free port)")
 
 
 @dataclass(frozen=True)
@@ -100,14 +120,17 @@ class TraceConfig:
             raise MoetraceError(f"resident_cache: {self.resident_cache!r}; expected true or false")
         if self.kt not in KT_MODES:
             raise MoetraceError(f"kt: {self.kt!r}; expected \"auto\", true or false")
-        for name in ("queue_size", "rows_per_part"):
-            if int(getattr(self, name)) < 1:
-                raise MoetraceError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("dump_max_count", "dump_max_bytes", "queue_max_bytes", "max_error_messages"):
-            if int(getattr(self, name)) < 0:
-                raise MoetraceError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if self.max_hook_errors is not None and int(self.max_hook_errors) < 1:
-            raise MoetraceError(f"max_hook_errors: must be >= 1 or null, got {self.max_hook_errors}")
+        for name, low in (("queue_size", 1), ("rows_per_part", 1), ("dump_max_count", 0), ("dump_max_bytes", 0),
+                          ("queue_max_bytes", 0), ("max_error_messages", 0), ("max_hook_errors", 1)):
+            v = getattr(self, name)
+            if v is None and name == "max_hook_errors":
+                continue
+            if isinstance(v, float) and v.is_integer() and abs(v) < 2**63:
+                v = int(v)
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v < 2**63:
+                raise MoetraceError(f"{name}: {v!r}; expected an integer >= {low}"
+                                    f"{' or null' if name == 'max_hook_errors' else ''}")
+            object.__setattr__(self, name, v)
         for name in ("tp_rank", "pp_rank", "replica"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -116,6 +139,8 @@ class TraceConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise MoetraceError(f"{name}: must be an integer >= 1 or null, got {v!r}")
+        for name in ("flush_interval_s", "close_timeout_s"):  # NaN or inf: a wait that never ends
+            finite_seconds(getattr(self, name), name, 0.0)
         if self.flush_interval_s <= 0:
             raise MoetraceError(f"flush_interval_s: must be > 0, got {self.flush_interval_s}")
         if self.chunk_digests == "mismatch" and not self.index:
@@ -124,8 +149,7 @@ class TraceConfig:
             raise MoetraceError("dump_max_count > 0 needs an index (online verification) to know what mismatches")
         self._check_guard()
         run_id = self.run_id or default_run_id()
-        if "/" in run_id or run_id in (".", ".."):
-            raise MoetraceError(f"run_id: {run_id!r} must be a single path component")
+        check_run_id(run_id)
         object.__setattr__(self, "run_id", run_id)
         return self
 
@@ -139,6 +163,7 @@ class TraceConfig:
         if self.metrics_port is not None and (isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
                                               or not 0 <= self.metrics_port <= 65535):
             raise MoetraceError(f"metrics_port: {self.metrics_port!r}; expected a port number 0-65535 or null")
+        check_metrics_ports(self.metrics_port, self.tp_size, "metrics_port")
         if self.metrics_port is not None and not self.guard:
             raise MoetraceError("metrics_port: the metrics are the guard's; give guard (record, alert or fail-closed)")
         if self.update_index_dir is not None and not self.guard:

@@ -63,6 +63,7 @@ class Expectation:
     checkpoint_id: str | None
     checkpoint_path: str | None
     tables: dict[tuple[str, int, str], Table]
+    meta: dict = field(default_factory=dict)  # the index metadata (tracer.index_fit compares it with the server)
 
     @property
     def tensors(self) -> int:
@@ -86,7 +87,7 @@ class Expectation:
         tables = {k: Table(t.chunks.to(device), t.nbytes, t.row_of, t.digest_of)
                   for k, t in self.tables.items()}
         return Expectation(self.path, self.tp_rank, self.moe_tp_rank, device, self.checkpoint_id,
-                           self.checkpoint_path, tables)
+                           self.checkpoint_path, tables, self.meta)
 
     def compare(self, where: tuple[str, int], tensor: str, experts: tuple[int, ...], chunks: torch.Tensor,
                 nbytes: int) -> torch.Tensor | None:
@@ -148,4 +149,4 @@ def load_expectation(path: str, tp_rank: int, device: torch.device) -> Expectati
         tables[key] = Table(torch.from_numpy(chunks.copy()).to(device), nbytes,
                             {e: i for i, (e, _, _, _) in enumerate(rows)}, {e: d for e, _, d, _ in rows})
     return Expectation(str(path), int(tp_rank), moe_tp_rank, device, ids[0] if len(ids) == 1 else None,
-                       meta.get("checkpoint_path"), tables)
+                       meta.get("checkpoint_path"), tables, meta)

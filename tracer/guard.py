@@ -24,6 +24,7 @@ from moetrace.errors import MoetraceError
 from moetrace.fingerprint import finalize, row_chunk_digests
 from moetrace.schema import format_ids
 from moetrace.tracer.batch import CaptureEvent, CapturedTensor
+from moetrace.tracer import index_fit
 from moetrace.tracer.expectation import MATCH, MISMATCH, UNVERIFIED, VERDICTS, guard_device, load_expectation
 from moetrace.tracer.manifest import utc_now
 
@@ -50,6 +51,8 @@ class Guard:
         self.expectation, self.reason, self._generation = None, None, 0
         self._held: dict[tuple[str, int], int] = {}  # (source, target layer) -> slots the last capture held
         self.device = guard_device()
+        self.gaps: dict[str, int] = {}  # "<model> layer L tensor" captured, not in the index -> tensors unverified
+        self._fitted: set[str] = set()  # layout keys whose fit with the index was checked
         self._set_expectation(config.index, None)
         from moetrace.tracer.metrics import GuardMetrics  # prometheus-client only when the guard is on
 
@@ -61,7 +64,7 @@ class Guard:
         self.updates: list[dict] = []
         self.failed_closed: dict | None = None
         self.seconds, self.max_load_seconds, self.last_verified = 0.0, 0.0, None
-        self._pass: dict[str, tuple[int, dict]] = {}  # source -> (step, {(layer, tensor): rows verified})
+        self._pass: dict[str, tuple[int, dict, dict]] = {}  # source -> (step, {(layer, tensor): rows verified}, unverified)
         self.coverage: dict[str, float] = {}
         self._memo: dict[tuple[str, int, str], tuple[object, list[int]]] = {}  # resident: key -> last flags
         self._alerts: list[float] = []
@@ -75,6 +78,7 @@ class Guard:
             self.expectation, self.reason, self._memo = None, why_none, {}
             self._generation += 1
             self._expected_per_pass: dict[str, int] = {}  # source -> expected tensors of a pass (lazily)
+            self.gaps = {}  # what the new expectation cannot verify is found again
             if index is None:
                 return
             try:
@@ -83,6 +87,23 @@ class Guard:
                 msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 self.reason = f"index unreadable, nothing is verified: {msg}"
                 log.error("moetrace guard on rank %d: %s", self.tp_rank, self.reason)
+                return
+            self._fitted = set()
+            self.misfit(index_fit.tp_misfit(self.expectation.meta, self.tp_size))
+
+    def misfit(self, why: str | None) -> None:
+        """An index that does not fit the server (tracer.index_fit): unverified from now on,
+        said once in the log, never a mismatch (fail-closed must not kill a clean server)."""
+        if why is None or self.expectation is None:
+            return
+        with self._lock:
+            index = self.expectation.path
+            self.expectation, self._memo = None, {}
+            self._generation += 1
+            self.reason = f"the index {index} does not fit the server: {why}; nothing is verified"
+        log.error("moetrace guard on rank %d: %s", self.tp_rank, self.reason)
+        if hasattr(self, "metrics"):
+            self.publish()
 
     @property
     def status(self) -> str:
@@ -90,7 +111,18 @@ class Guard:
             return "unverified"
         if self.tensors["mismatch"]:
             return "mismatch"
+        if self.gaps:  # some captured tensors were never compared: never "ok"
+            return "unverified"
         return "ok" if self.tensors["match"] else "waiting"
+
+    @property
+    def status_reason(self) -> str | None:
+        if self.reason is not None or not self.gaps:
+            return self.reason
+        shown = sorted(self.gaps)[:8]
+        more = f" and {len(self.gaps) - 8} more" if len(self.gaps) > 8 else ""
+        return (f"{sum(self.gaps.values())} captured tensors have no row in the index, never verified: "
+                f"{'; '.join(shown)}{more}")
 
     # ------------------------------------------------------------ one load
 
@@ -98,6 +130,10 @@ class Guard:
         """Verify one capture event; submit its trace rows; returns the rows submitted.
         Raises GuardMismatch (fail-closed) after the rows, counts and manifest are written."""
         t0 = time.perf_counter()
+        key = f"{event.source}:{event.model}:{int(event.layer)}"
+        if key not in self._fitted and self.expectation is not None:
+            self._fitted.add(key)
+            self.misfit(index_fit.layout_misfit(self.expectation.meta, tracer._layouts.get(key), event.source))
         with self._lock:
             exp = self.expectation
             if exp is not None and items and items[0].data.device != exp.device:
@@ -195,11 +231,12 @@ class Guard:
         count toward coverage only: nothing was verified again."""
         counts: dict[tuple[int | str, str], list[int]] = {}  # (layer label, tensor) -> [match, mismatch, unverified]
         label = event.layer if event.model == "target" else f"{event.model}:{event.layer}"  # the metrics' layer
-        bad, fresh_bad, verified_rows = [], 0, {}
+        bad, fresh_bad, verified_rows, unverified_rows = [], 0, {}, {}
         source = self.by_source.setdefault(event.source, dict.fromkeys(VERDICTS, 0))
         for it, flags, chunks, _ in results:
             c = [flags.count(MATCH), flags.count(MISMATCH), flags.count(UNVERIFIED)]
             verified_rows[(event.layer, it.name)] = c[0] + c[1]
+            unverified_rows[(event.layer, it.name)] = c[2]
             if c[1]:
                 ids = [e for e, f in zip(event.experts, flags) if f == MISMATCH]
                 bad.append(f"{it.name} of expert{'s' if len(ids) > 1 else ''} {format_ids(ids)}")
@@ -208,6 +245,9 @@ class Guard:
                 continue
             counts[(label, it.name)] = c
             fresh_bad += c[1]
+            if c[2] and self.expectation is not None:
+                where = f"{'' if event.model == 'target' else event.model + ' '}layer {event.layer} {it.name}"
+                self.gaps[where] = self.gaps.get(where, 0) + c[2]
             for word, n in zip(VERDICTS, c):
                 self.tensors[word] += n
                 source[word] += n
@@ -221,7 +261,7 @@ class Guard:
                 self.last_verified = time.time()
                 self.metrics.verified_at(self.last_verified)
             self.metrics.load(event.source, counts, result, seconds)
-        self._count_pass(event, verified_rows)
+        self._count_pass(event, verified_rows, unverified_rows)
         message = None
         if bad:
             n = sum(flags.count(MISMATCH) for _, flags, _, _ in results)
@@ -242,7 +282,7 @@ class Guard:
         self.publish()
         return message
 
-    def _count_pass(self, event: CaptureEvent, verified_rows: dict) -> None:
+    def _count_pass(self, event: CaptureEvent, verified_rows: dict, unverified_rows: dict) -> None:
         """Pass coverage of the target model (a draft counts its own passes)."""
         if event.model != "target":
             return
@@ -250,14 +290,15 @@ class Guard:
         if event.slot_count is not None and self._held.get(held) != event.slot_count:
             self._held[held] = event.slot_count
             self._expected_per_pass.pop(event.source, None)
-        step, rows = self._pass.get(event.source, (event.step, {}))
+        step, rows, missed = self._pass.get(event.source, (event.step, {}, {}))
         if step != event.step:
-            rows = {}
+            rows, missed = {}, {}
         rows.update(verified_rows)
-        self._pass[event.source] = (event.step, rows)
+        missed.update(unverified_rows)  # captured, never compared: counted against coverage
+        self._pass[event.source] = (event.step, rows, missed)
         total = self._expected(event.source) if self.expectation is not None else 0
         if total:
-            self.coverage[event.source] = round(min(1.0, sum(rows.values()) / total), 6)
+            self.coverage[event.source] = round(min(1.0, sum(rows.values()) / (total + sum(missed.values()))), 6)
             self.metrics.pass_coverage(event.source, self.coverage[event.source])
 
     def _expected(self, source: str) -> int:
@@ -320,7 +361,9 @@ class Guard:
         for path in [p for p in paths if os.path.isfile(p)] + [self.config.index]:
             try:
                 meta = index_metadata(path)
-            except MoetraceError:
+            except Exception as err:  # a bad file is skipped by name, never the re-verification with it
+                why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                log.warning("moetrace guard on rank %d: update_index_dir: skipped %s (%s)", self.tp_rank, path, why)
                 continue
             if os.path.realpath(str(meta.get("checkpoint_path") or "")) == want and meta.get("tp_size") == self.tp_size:
                 found.append((os.path.getmtime(path) if path != self.config.index else 0.0, path))
@@ -331,7 +374,7 @@ class Guard:
     def manifest(self) -> dict:
         exp = self.expectation
         return {
-            "action": self.action, "rows": self.rows, "status": self.status, "status_reason": self.reason,
+            "action": self.action, "rows": self.rows, "status": self.status, "status_reason": self.status_reason,
             "index": exp.path if exp is not None else self.config.index,
             "checkpoint_id": exp.checkpoint_id if exp is not None else None,
             "device": str(exp.device if exp is not None else self.device),

@@ -59,9 +59,11 @@ class GuardMetrics:
         elif metrics_port is not None:
             port = 0 if metrics_port == 0 else int(metrics_port) + int(tp_rank)
             try:
+                if port > 65535:  # hook-spec/launch refuse it when they know the TP size
+                    raise ValueError(f"metrics_port {metrics_port} + tp_rank {tp_rank} is past port 65535")
                 self._server, _ = prom.start_http_server(port, addr="127.0.0.1", registry=registry)
                 self.exporter, self.port = "port", int(self._server.server_port)
-            except OSError as err:
+            except (OSError, OverflowError, ValueError) as err:
                 self.reason = f"cannot serve metrics on 127.0.0.1:{port} ({err})"
                 log.error("moetrace guard: %s; the counts stay in the manifest", self.reason)
         else:

@@ -1,0 +1,93 @@
+"""Proof that a cached index is the index of the checkpoint asking for it.
+
+The cache key (checkpoints.index_build.cache_key) names the checkpoint's layout, its
+files' sizes and mtimes and the options; it hashes no tensor data, so two checkpoints
+with equal shapes and mtimes (a copy with ``cp -p``, a re-quantized export, files
+restored from an archive) share a key. A hit is used only when
+
+- every safetensors header (its raw bytes, ``__metadata__`` included) hashes to what
+  the key recorded (``headers_digest``, part of the key), and
+- a random sample of the cached rows is reproduced from the checkpoint: for
+  ``SAMPLE_EXPERTS`` (model, layer, moe_tp_rank, expert) picks, every tensor's shard
+  is cut again (checkpoints.shards) and ``SAMPLE_CHUNKS`` random chunks of it are
+  hashed and compared with the cached chunk digests (``verify_hit``);
+
+on any difference the entry is rebuilt. The cached file is read through the one
+index reader, so its own consistency is checked too (checkpoints.index_checks).
+A checkpoint whose every expert differs is caught by the first chunk; one edited
+byte that kept sizes and mtimes is caught with the probability that a sampled chunk
+holds it. docs/index.md says what a hit costs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import struct
+from pathlib import Path
+
+import pyarrow.compute as pc
+
+from moetrace import fingerprint as fpdef
+from moetrace.checkpoints.index import read_index
+from moetrace.checkpoints.reader import Checkpoint, draft_checkpoint
+from moetrace.checkpoints.shards import Parallel, expected_experts
+from moetrace.errors import MoetraceError
+
+SAMPLE_EXPERTS = 8  # (model, layer, moe_tp_rank, expert) shards cut again per hit
+SAMPLE_CHUNKS = 2  # chunks hashed per tensor of each (all when fewer)
+_COLUMNS = ["model", "moe_tp_rank", "layer", "expert", "tensor", "nbytes", "chunk_digests"]
+
+
+def headers_digest(checkpoint: str | os.PathLike) -> str:
+    """sha256 of every safetensors file's name and raw header bytes, in name order."""
+    h = hashlib.sha256()
+    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                h.update(f"{f.name}\0{n}\0".encode())
+                h.update(fh.read(min(n, 100 << 20)))  # safetensors caps headers at 100 MB
+        except (OSError, struct.error) as err:
+            raise MoetraceError(f"{f}: cannot read its safetensors header ({err})") from None
+    return h.hexdigest()
+
+
+def verify_hit(index_path: str | os.PathLike, ckpt: Checkpoint, par: Parallel, rng: random.Random | None = None
+               ) -> str | None:
+    """None when a random sample of the cached index's chunk digests is reproduced from
+    `ckpt` (cut for `par`); else why not, in words."""
+    rng = rng or random.Random(os.urandom(8))
+    table = read_index(index_path, columns=_COLUMNS)
+    if "chunk_digests" not in table.column_names:
+        return "the cached index has no chunk digests"
+    units = table.group_by(["model", "layer", "moe_tp_rank", "expert"]).aggregate([]).to_pylist()
+    if not units:
+        return None
+    draft = None
+    for u in rng.sample(units, min(SAMPLE_EXPERTS, len(units))):
+        model, layer, rank, expert = u["model"], u["layer"], u["moe_tp_rank"], u["expert"]
+        source = ckpt
+        if model != "target":
+            draft = draft or draft_checkpoint(ckpt)[0]
+            if draft is None:
+                return "the cached index has draft rows, the checkpoint has no draft model"
+            source = draft
+        rows = table.filter(pc.and_(pc.and_(pc.equal(table.column("model"), model), pc.equal(table.column("layer"), layer)),
+                                    pc.and_(pc.equal(table.column("moe_tp_rank"), rank),
+                                            pc.equal(table.column("expert"), expert)))).to_pylist()
+        shards = expected_experts(source, layer, rank, par, range(expert, expert + 1))
+        where = f"{'' if model == 'target' else model + ' '}layer {layer} moe_tp_rank {rank} expert {expert}"
+        if sorted(shards) != sorted(r["tensor"] for r in rows):
+            return f"{where}: the checkpoint gives tensors {sorted(shards)}, the cache {sorted(r['tensor'] for r in rows)}"
+        for row in rows:
+            data = fpdef.raw_bytes(shards[row["tensor"]][0]).cpu().numpy()
+            if data.size != row["nbytes"]:
+                return f"{where} {row['tensor']}: {data.size} bytes in the checkpoint, {row['nbytes']} cached"
+            n = fpdef.n_chunks_for(data.size)
+            for c in rng.sample(range(n), min(SAMPLE_CHUNKS, n)):
+                chunk = data[c * fpdef.CHUNK_BYTES:(c + 1) * fpdef.CHUNK_BYTES].tobytes()
+                if fpdef.chunk_digest(chunk) != row["chunk_digests"][16 * c:16 * (c + 1)]:
+                    return f"{where} {row['tensor']} chunk {c}: the checkpoint's bytes are not the cached index's"
+    return None

@@ -1,0 +1,150 @@
+"""What every index read proves before a row is used (checkpoints.index.read_index).
+
+An index is the reference every verdict is measured against: a flipped bit in it
+would make a clean server look corrupt (a fail-closed guard kills it) or turn real
+matches into "unknown" divergences. So each read checks that the file says the
+same thing everywhere:
+
+- the metadata is a JSON object whose sizes are integers (``check_metadata``);
+- every row's ``schema_version`` and ``checkpoint_id`` are the metadata's;
+- ``nbytes`` is the row's shape times its dtype's size;
+- ``digest`` follows from ``chunk_digests`` and ``nbytes`` (fingerprint.tensor_digest),
+  and there is one chunk digest per chunk;
+- ids are in range (no negative expert, layer or rank);
+- every layer the metadata lists has the rows of every expert (and the fused shared
+  expert) for every moe_tp_rank read, each with the same tensors.
+
+Any disagreement is a MoetraceError naming the index and the first bad row: exit 2,
+never a divergence. docs/index.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from moetrace import fingerprint as fpdef
+from moetrace.errors import MoetraceError
+from moetrace.schema import INDEX_SCHEMA_VERSION, format_ids
+
+CHECKED_COLUMNS = ("schema_version", "checkpoint_id", "model", "moe_tp_rank", "layer", "expert", "tensor", "dtype",
+                   "shape", "nbytes", "digest", "chunk_digests")
+_SIZES = {"tp_size": 1, "ep_size": 1, "moe_dp_size": 1, "moe_tp_size": 1, "num_experts": 1, "shared_experts": 0}
+
+
+def _corrupt(path, what: str) -> MoetraceError:
+    return MoetraceError(f"index {path}: corrupt: {what}; rebuild it with `moetrace index`")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_metadata(path, meta: dict) -> None:
+    """Types and ranges of the metadata every reader relies on (a key may be absent)."""
+    for key, low in _SIZES.items():
+        v = meta.get(key)
+        if v is not None and (not _is_int(v) or v < low):
+            raise _corrupt(path, f"metadata {key} is {v!r}, expected an integer >= {low}")
+    layers = meta.get("layers")
+    if layers is not None and (not isinstance(layers, list) or not all(_is_int(x) and x >= 0 for x in layers)):
+        raise _corrupt(path, f"metadata layers is {layers!r}, expected a list of layer ids")
+    if not isinstance(meta.get("checkpoint_id"), str):
+        raise _corrupt(path, f"metadata checkpoint_id is {meta.get('checkpoint_id')!r}, expected a string")
+    for key in ("draft", "layout"):
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            raise _corrupt(path, f"metadata {key} is {meta[key]!r}, expected an object")
+    if isinstance(meta.get("draft"), dict) and "layers" in meta["draft"]:
+        d = meta["draft"]["layers"]
+        if not isinstance(d, list) or not all(_is_int(x) and x >= 0 for x in d):
+            raise _corrupt(path, f"metadata draft.layers is {d!r}, expected a list of layer ids")
+    tp, ep, dp, mtp = (meta.get(k) for k in ("tp_size", "ep_size", "moe_dp_size", "moe_tp_size"))
+    if None not in (tp, ep, dp, mtp) and tp != ep * dp * mtp:
+        raise _corrupt(path, f"metadata tp_size {tp} is not ep_size {ep} x moe_dp_size {dp} x moe_tp_size {mtp}")
+
+
+def _itemsize(name: str) -> int | None:
+    dtype = getattr(torch, str(name), None)
+    return torch.empty(0, dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else None
+
+
+def _where(model, layer, expert, tensor) -> str:
+    return f"{'' if model == 'target' else model + ' '}layer {layer} expert {expert} {tensor}"
+
+
+def check_rows(path, meta: dict, table: pa.Table, moe_tp_rank: int | None = None) -> None:
+    """The rows read (all, or one moe_tp_rank's) against themselves and the metadata."""
+    names = table.column_names
+    if table.num_rows == 0:
+        return
+    for col, want in (("schema_version", INDEX_SCHEMA_VERSION), ("checkpoint_id", meta.get("checkpoint_id"))):
+        found = pc.unique(table.column(col)).to_pylist()
+        if found != [want]:
+            raise _corrupt(path, f"rows hold {col} {sorted(map(str, found))}, the metadata says {want}")
+    mtp = meta.get("moe_tp_size")
+    n_experts = None if meta.get("num_experts") is None else meta["num_experts"] + int(meta.get("shared_experts") or 0)
+    for col, high in (("layer", None), ("expert", n_experts), ("moe_tp_rank", mtp)):
+        lo, hi = pc.min_max(table.column(col)).values()
+        if lo.as_py() < 0 or (high is not None and hi.as_py() >= high):
+            bad = lo.as_py() if lo.as_py() < 0 else hi.as_py()
+            limit = f"0-{high - 1}" if high is not None else ">= 0"
+            raise _corrupt(path, f"a row has {col} {bad}, expected {limit}")
+    _check_each_row(path, table, names)
+    _check_coverage(path, meta, table, moe_tp_rank)
+
+
+def _check_each_row(path, table: pa.Table, names: list[str]) -> None:
+    """nbytes vs shape x dtype; digest vs chunk digests (one per chunk)."""
+    cols = [table.column(c).to_pylist() if c in names else [None] * table.num_rows
+            for c in ("model", "layer", "expert", "tensor", "dtype", "shape", "nbytes", "digest", "chunk_digests")]
+    sizes: dict[str, int | None] = {}
+    for model, layer, expert, tensor, dtype, shape, nbytes, digest, chunks in zip(*cols):
+        if dtype not in sizes:
+            sizes[dtype] = _itemsize(dtype)
+        if sizes[dtype] is None:
+            raise _corrupt(path, f"{_where(model, layer, expert, tensor)} has dtype {dtype!r}, not a torch dtype")
+        if nbytes is None or nbytes < 0 or (shape is not None and nbytes != math.prod(shape) * sizes[dtype]):
+            raise _corrupt(path, f"{_where(model, layer, expert, tensor)} has nbytes {nbytes}, its shape {shape} "
+                                 f"of {dtype} is {math.prod(shape or []) * sizes[dtype]} bytes")
+        if chunks is None:
+            continue
+        if len(chunks) != 16 * fpdef.n_chunks_for(nbytes):
+            raise _corrupt(path, f"{_where(model, layer, expert, tensor)} has {len(chunks)} bytes of chunk digests, "
+                                 f"its {nbytes} bytes need {16 * fpdef.n_chunks_for(nbytes)}")
+        if digest is None or fpdef.tensor_digest(chunks, nbytes) != digest:
+            raise _corrupt(path, f"{_where(model, layer, expert, tensor)}: its digest does not follow from its "
+                                 "chunk digests")
+
+
+def _check_coverage(path, meta: dict, table: pa.Table, moe_tp_rank: int | None) -> None:
+    """Every listed layer holds every expert with the same tensors, per moe_tp_rank read."""
+    if meta.get("num_experts") is None:
+        return
+    experts = meta["num_experts"] + int(meta.get("shared_experts") or 0)
+    ranks = [moe_tp_rank] if moe_tp_rank is not None else list(range(int(meta.get("moe_tp_size") or 1)))
+    models = {"target": meta.get("layers")}
+    draft = meta.get("draft")
+    if isinstance(draft, dict) and "excluded" not in draft:
+        models["draft"] = draft.get("layers")
+    stats = table.group_by(["model", "moe_tp_rank", "layer"]).aggregate(
+        [("expert", "count_distinct"), ("tensor", "count_distinct"), ("expert", "count")]).to_pylist()
+    held = {(s["model"], s["moe_tp_rank"], s["layer"]): s for s in stats}
+    for model, layers in models.items():
+        for r in ranks:
+            missing = [layer for layer in layers or () if (model, r, layer) not in held]
+            if missing:
+                raise _corrupt(path, f"the metadata lists {model} layers {format_ids(layers)} but moe_tp_rank {r} "
+                                     f"has no rows of layer(s) {format_ids(missing)}")
+    for (model, r, layer), s in held.items():
+        listed = models.get(model)
+        if listed is not None and layer not in listed:
+            raise _corrupt(path, f"{model} layer {layer} has rows but the metadata lists layers {format_ids(listed)}")
+        # a draft model (Qwen3.5 MTP) has the routed experts, with or without a fused shared one
+        want = (experts,) if model == "target" else (meta["num_experts"], experts)
+        n = s["expert_count_distinct"]
+        if n not in want or s["expert_count"] != n * s["tensor_count_distinct"]:
+            raise _corrupt(path, f"{model} layer {layer} moe_tp_rank {r} has {s['expert_count']} rows of {n} experts, "
+                                 f"expected {s['tensor_count_distinct']} tensors of each of {want[-1]} experts")

@@ -1,0 +1,76 @@
+"""Does an index fit the server it is asked to verify? (TP size, checkpoint, layout, layers)
+
+An index built for another TP size, another checkpoint or another w13 order (up-first)
+makes every tensor "mismatch": a fail-closed guard would then kill a clean server over
+its own misconfiguration. So the guard asks here before it verifies (at start, when it
+learns the server's checkpoint, at the first capture of each layer) and goes
+``unverified`` with the reason on a misfit (tracer.guard); ``hook-spec`` and ``launch``
+refuse an index that does not fit what they can tell of the server (hooks.spec,
+hooks.launch). Each function returns None (fits, or cannot tell) or one sentence.
+docs/guard.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+from moetrace.checkpoints.layout import LayoutRefused, ServerLayout
+from moetrace.checkpoints.layout_rules import derive_layout
+from moetrace.errors import MoetraceError
+
+
+def tp_misfit(meta: dict, tp_size: int | None) -> str | None:
+    if tp_size is None or meta.get("tp_size") in (None, tp_size):
+        return None
+    return f"the index is built for --tp {meta.get('tp_size')}, the server runs TP {tp_size}"
+
+
+def checkpoint_misfit(meta: dict, model_path: str | None) -> str | None:
+    """The index's checkpoint vs the checkpoint folder the server loaded (headers only);
+    None when the folder cannot be read here (a hub id, another machine)."""
+    if not model_path or not os.path.isdir(model_path):
+        return None
+    from moetrace.checkpoints.reader import open_checkpoint
+
+    try:
+        identity = open_checkpoint(model_path).identity
+    except MoetraceError:
+        return None
+    if identity == meta.get("checkpoint_id"):
+        return None
+    return (f"the index is of checkpoint {meta.get('checkpoint_id')} ({meta.get('checkpoint_path')}), the server "
+            f"loaded {model_path} (checkpoint {identity})")
+
+
+def checkpoint_id_misfit(meta: dict, checkpoint_id: str | None) -> str | None:
+    if not checkpoint_id or checkpoint_id == meta.get("checkpoint_id"):
+        return None
+    return f"the index is of checkpoint {meta.get('checkpoint_id')}, --checkpoint-id says {checkpoint_id}"
+
+
+def layout_misfit(meta: dict, facts: dict | None, source: str) -> str | None:
+    """The layout a captured layer's facts (hooks.layout) give vs the one the index was
+    built for; None when the facts are missing or too few to tell."""
+    fmt, size, mtp = meta.get("format"), meta.get("intermediate_size"), meta.get("moe_tp_size") or 1
+    if facts is None or fmt is None or not size:
+        return None
+    try:
+        server = derive_layout(facts, fmt, int(size) // int(mtp), source)
+    except LayoutRefused as err:
+        if err.transform == "an unknown layout":  # facts the trace could not read: cannot tell
+            return None
+        return f"the server holds {err.transform}, which moetrace does not reproduce ({err.why})"
+    index = ServerLayout.from_json(meta.get("layout"))
+    same = (server.up_first, server.intermediate_padded) == (index.up_first, index.intermediate_padded)
+    if same and (source == "staged" or tuple(server.transforms) == tuple(index.transforms)):
+        return None
+    return f"the index is built for {index.describe()}, the server's {source} layer holds {server.describe()}"
+
+
+def model_path_of(runner) -> str | None:
+    """The checkpoint folder an SGLang ModelRunner loaded (server_args.model_path)."""
+    for owner in (getattr(runner, "server_args", None), getattr(runner, "model_config", None)):
+        path = getattr(owner, "model_path", None)
+        if isinstance(path, str) and path:
+            return path
+    return None
