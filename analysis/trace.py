@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -26,9 +27,10 @@ from moetrace.tracer.manifest import label_key
 TRACE_COLUMNS = [
     "schema_version", "run_id", "model", "tp_size", "tp_rank", "ep_size", "moe_tp_rank", "step", "source",
     "capture_seq", "transport_position", "slot", "expert_copy", "slot_count", "layer", "expert", "tensor",
-    "copy_position", "dtype", "nbytes", "digest",
+    "copy_position", "dtype", "nbytes", "digest", "online",
 ]
-_DICT_COLUMNS = ["run_id", "model", "source", "tensor", "dtype"]
+_DICT_COLUMNS = ["run_id", "model", "source", "tensor", "dtype", "online"]
+ONLINE = ("unchecked", "match", "mismatch")  # cols["online"] codes; a null verdict is "unchecked"
 
 
 class Vocab:
@@ -123,6 +125,7 @@ COL_DTYPES = {
     "source": np.int8, "capture_seq": np.int64, "transport_position": np.int32, "slot": np.int32, "copy": np.int16,
     "slot_count": np.int32, "layer": np.int32, "expert": np.int32, "tensor": np.int16, "copy_position": np.int8,
     "dtype": np.int16, "nbytes": np.int64, "hi": np.int64, "lo": np.int64, "part": np.int32, "row": np.int32,
+    "online": np.int8,
 }
 _NUMERIC = {"tp": "tp_rank", "shard": "moe_tp_rank", "step": "step", "capture_seq": "capture_seq",
             "transport_position": "transport_position", "slot": "slot", "copy": "expert_copy", "slot_count": "slot_count",
@@ -181,12 +184,28 @@ def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.nd
     out["rank"][sl] = rank_code
     out["tensor"][sl] = tensor_v.codes_of(t.column("tensor"), np.int16)
     out["dtype"][sl] = dtype_v.codes_of(t.column("dtype"), np.int16)
+    out["online"][sl] = _online_codes(t.column("online"), path)
     for dst, col in _NUMERIC.items():
         out[dst][sl] = t.column(col).to_numpy()
     out["part"][sl] = part_id
     out["row"][sl] = np.arange(n, dtype=np.int32)
     sizes = tuple({int(x) for x in t.column(c).unique().to_pylist()} for c in ("tp_size", "ep_size"))
     return sizes
+
+
+def _online_codes(col: pa.ChunkedArray, path: str) -> np.ndarray:
+    """ONLINE codes of the online column (a null verdict is "unchecked"), without decoding strings."""
+    vocab, out = Vocab(ONLINE), []
+    for ch in col.chunks:
+        if not pa.types.is_dictionary(ch.type):
+            ch = ch.dictionary_encode()
+        mapping = np.array([vocab.code(v) for v in ch.dictionary.to_pylist()] + [0], dtype=np.int8)
+        idx = pc.fill_null(ch.indices, len(ch.dictionary)).to_numpy(zero_copy_only=False)
+        out.append(mapping[idx])
+    if len(vocab) > len(ONLINE):
+        raise MoetraceError(f"trace part {path} has online value(s) {vocab.names[len(ONLINE):]}; expected 'match', "
+                            "'mismatch' or null")
+    return np.concatenate(out) if out else np.zeros(0, np.int8)
 
 
 def _parts_of(runs: list[RunInfo], fs_of: dict) -> tuple[list[tuple[pafs.FileSystem, str]], list[RunInfo],
