@@ -26,7 +26,7 @@ from moetrace.checkpoints.index_build import cached_index
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.errors import MoetraceError
 from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES, format_ids, parse_rank_label
-from moetrace.analysis.row_facts import row_facts
+from moetrace.analysis.row_facts import index_contradictions, row_facts
 from moetrace.tracer.manifest import (RowFacts, guard_vouches, label_key, rank_problems, refusal_problem,
                                       rows_problems, run_file_problems)
 
@@ -165,6 +165,7 @@ def _trace_problems(a: Analysis, counts: np.ndarray, incomplete: list[str], warn
     if a.slot_sampled:
         warnings.append("expert sampling is on: slots of unsampled experts were not captured, so per-slot coverage "
                         "counts only what was captured")
+    incomplete += [f"the trace contradicts the index: {p}" for p in index_contradictions(a)]
     if not a.scope.any() and not guard_verified(a):
         incomplete.append("nothing in the index's scope was captured")
 

@@ -88,3 +88,32 @@ def _conflicts(df: pd.DataFrame, key: list[str], out: dict, models: list[str]) -
             if more:
                 phrases[-1] += f" (and {more:,} more such {what}s)"
             out[(int(run), int(rank))].slot_conflicts += phrases
+
+
+def index_contradictions(a: Analysis) -> list[str]:
+    """Rows whose dtype, byte size or per-expert shape is not what the index holds for their
+    (model, tensor): the trace describes tensors the index does not (one phrase per kind)."""
+    d, c, idx, v = a.data, a.data.cols, a.idx, a.v
+    out = []
+    rows = np.flatnonzero(v.pos >= 0)
+    if len(rows):
+        pos = v.pos[rows]
+        bad = rows[(c["dtype"][rows] != idx.dtype[pos]) | (c["nbytes"][rows] != idx.nbytes[pos])]
+        if len(bad):
+            df = pd.DataFrame({"tensor": c["tensor"][bad], "dtype": c["dtype"][bad], "nbytes": c["nbytes"][bad],
+                               "want_dtype": idx.dtype[v.pos[bad]], "want_nbytes": idx.nbytes[v.pos[bad]]})
+            for key, g in df.groupby(list(df.columns), sort=True):
+                t, dt, nb, wdt, wnb = (int(x) for x in key)
+                out.append(f"{len(g):,} {d.tensors.names[t]} rows hold {d.dtypes.names[dt]}, {nb:,} bytes, where the "
+                           f"index holds {d.dtypes.names[wdt]}, {wnb:,} bytes")
+    if idx.shapes is not None:
+        held: dict[tuple[int, int], set] = {}
+        for model, tensor, shape in idx.shapes:
+            held.setdefault((model, tensor), set()).add(shape)
+        for (model, tensor, shape), part in sorted(d.shapes.items()):
+            want = held.get((model, tensor))
+            if want is not None and shape not in want:
+                layer = "" if d.models.names[model] == "target" else d.models.names[model] + " "
+                out.append(f"{layer}{d.tensors.names[tensor]} rows of shape {list(shape)} (e.g. in {part}), where the "
+                           f"index holds {' or '.join(str(list(s)) for s in sorted(want))}")
+    return out

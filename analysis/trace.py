@@ -27,7 +27,7 @@ from moetrace.tracer.manifest import label_key
 TRACE_COLUMNS = [
     "schema_version", "run_id", "model", "tp_size", "tp_rank", "ep_size", "moe_tp_rank", "step", "source",
     "capture_seq", "transport_position", "slot", "expert_copy", "slot_count", "layer", "expert", "tensor",
-    "copy_position", "dtype", "nbytes", "digest", "online",
+    "copy_position", "dtype", "shape", "nbytes", "digest", "online",
 ]
 _DICT_COLUMNS = ["run_id", "model", "source", "tensor", "dtype", "online"]
 ONLINE = ("unchecked", "match", "mismatch")  # cols["online"] codes; a null verdict is "unchecked"
@@ -108,6 +108,7 @@ class TraceData:
     skipped_parts: list[tuple[str, str]]  # (path, reason)
     labels: list[str] = field(default_factory=list)  # cols["rank"] code -> rank label of the process
     models: Vocab = field(default_factory=lambda: Vocab(MODELS))  # cols["model"] codes
+    shapes: dict = field(default_factory=dict)  # (model code, tensor code, per-expert shape) -> a part holding it
 
     def label_code(self, label: str) -> int:
         return self.labels.index(label)
@@ -168,7 +169,7 @@ def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.nd
         raise ValueError(f"read {n} rows, footer says {pf.metadata.num_rows}")
     sl = slice(start, start + n)
     if n == 0:
-        return set(), set()
+        return set(), set(), set()
     ver = t.column("schema_version").to_numpy()
     if ver.min() != TRACE_SCHEMA_VERSION or ver.max() != TRACE_SCHEMA_VERSION:
         raise _SchemaVersion(path, sorted(set(np.unique(ver).tolist())))
@@ -190,7 +191,25 @@ def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.nd
     out["part"][sl] = part_id
     out["row"][sl] = np.arange(n, dtype=np.int32)
     sizes = tuple({int(x) for x in t.column(c).unique().to_pylist()} for c in ("tp_size", "ep_size"))
-    return sizes
+    return (*sizes, held_shapes(t.column("shape"), out["model"][sl], out["tensor"][sl]))
+
+
+def held_shapes(col: pa.ChunkedArray, model: np.ndarray, tensor: np.ndarray) -> set[tuple[int, int, tuple]]:
+    """The distinct (model code, tensor code, per-expert shape) of rows, without a Python
+    object per row: rows are grouped by their number of dimensions and made unique as integers."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if len(arr) == 0:
+        return set()
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.to_numpy(zero_copy_only=False)
+    starts, ndim = offsets[:-1], np.diff(offsets)
+    out = set()
+    for k in np.unique(ndim).tolist():
+        rows = np.flatnonzero(ndim == k)
+        dims = values[starts[rows, None] + np.arange(k)] if k else np.zeros((len(rows), 0), np.int64)
+        table = np.unique(np.column_stack([model[rows], tensor[rows], dims]).astype(np.int64), axis=0)
+        out |= {(int(r[0]), int(r[1]), tuple(int(x) for x in r[2:])) for r in table}
+    return out
 
 
 def _online_codes(col: pa.ChunkedArray, path: str) -> np.ndarray:
@@ -262,6 +281,7 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moetrace-read") as pool:
         outcomes = list(pool.map(read_one, usable))
     ok = np.array([pf is not None for pf in opened], dtype=bool)
+    shapes: dict[tuple[int, int, tuple], str] = {}
     for i, res in zip(usable, outcomes):
         if isinstance(res, (MoetraceError, _SchemaVersion, str)):
             ok[i] = False
@@ -270,6 +290,8 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
         if counts[i]:
             failed.versions.setdefault(TRACE_SCHEMA_VERSION, parts[i][1])
         run = part_run[i]
+        for shape in res[2]:
+            shapes.setdefault(shape, parts[i][1])
         for name, vals, want in (("tp_size", res[0], run.tp_size), ("ep_size", res[1], run.ep_size)):
             if vals and vals != {want}:
                 raise MoetraceError(f"trace part {parts[i][1]} has {name} {sorted(vals)} but its manifest says {want}")
@@ -279,7 +301,7 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
         cols = {k: v[keep] for k, v in cols.items()}
     data = TraceData(runs=runs, cols=cols, run_ids=vocabs[0], tensors=vocabs[1], dtypes=vocabs[2],
                      parts=parts, skipped_parts=[(parts[i][1], failed.skipped[i]) for i in sorted(failed.skipped)],
-                     labels=labels, models=vocabs[3])
+                     labels=labels, models=vocabs[3], shapes=shapes)
     _check_rows_against_manifests(data)
     return data
 

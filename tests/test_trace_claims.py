@@ -251,3 +251,23 @@ def test_a_divergent_guarded_run_is_divergent_and_whole(demo, tmp_path):
     assert (t["rows_read"], t["match"], t["divergent"], t["missing"], t["tensors"]) == (108, 3092, 108, 0, 3200)
     assert t["by_verdict"]["stale"] == 108 and doc["missing_loads"] == []
     assert doc["first_divergence"][0]["sentence"].startswith("step 0, layer 0, rank 1")
+
+
+def test_dtype_shape_and_size_must_be_the_indexs(demo, tmp_path):
+    """Item 10: rows whose dtype, nbytes or shape contradict the index (digests untouched)."""
+    _, fen, index = demo
+
+    def rows(label, t):
+        if label != "0":
+            return t
+        scale = pc.equal(t.column("tensor"), "w2_weight_scale_inv").to_numpy(zero_copy_only=False)
+        t = set_column(t, "dtype", np.where(scale, "bfloat16", t.column("dtype").to_numpy(zero_copy_only=False)))
+        t = set_column(t, "nbytes", np.where(scale, 4, t.column("nbytes").to_numpy()))
+        w13 = pc.equal(t.column("tensor"), "w13_weight").to_numpy(zero_copy_only=False)
+        shapes = t.column("shape").to_pylist()
+        return set_column(t, "shape", [[128, 512] if w else s for w, s in zip(w13, shapes)])
+
+    code, inc, _ = audit(tamper_run(fen, tmp_path / "t", rows), index)
+    assert code == 2, inc
+    assert reasons(inc, "400 w2_weight_scale_inv rows hold bfloat16, 4 bytes, where the index holds float32, 8 bytes"), inc
+    assert reasons(inc, "w13_weight rows of shape [128, 512]", "where the index holds [256, 256]"), inc
