@@ -367,6 +367,10 @@ def resolve_index(data: TraceData, index: str | None, checkpoint: str | None) ->
     return str(cached_index(checkpoint, tp, ep, layout=trace_layout.layout, moe_dp_size=moe_dp)[0]), trace_layout
 
 
+class IndexLayoutMismatch(MoetraceError):
+    """An --index built for another server layout than the trace records."""
+
+
 def check_index_layout(data: TraceData, idx: IndexData, trace_layout: TraceLayout | None) -> TraceLayout:
     """The index must reproduce the layout the trace recorded, and hold what the server holds."""
     if trace_layout is None:
@@ -375,13 +379,46 @@ def check_index_layout(data: TraceData, idx: IndexData, trace_layout: TraceLayou
                                 "layout facts need; rebuild it with `moetrace index`")
         trace_layout = layout_of_runs(data.runs, idx.fmt, idx.intermediate_size or 0)
         if trace_layout.layout != idx.layout:
-            raise MoetraceError(
+            raise IndexLayoutMismatch(
                 f"index {idx.path} was built for {idx.layout.describe()}, but the trace records "
                 f"{trace_layout.layout.describe()}; pass --checkpoint CKPT so moetrace builds the matching index, or "
                 "rebuild it with `moetrace index CKPT --layout-from TRACE`"
             )
     check_params(trace_layout, idx.held or {})
     return trace_layout
+
+
+def readable_checkpoint(idx: IndexData) -> str | None:
+    """The checkpoint an index was built from, when that folder is readable here and still
+    holds the index's checkpoint (its identity, from the headers); else None."""
+    path = idx.checkpoint_path
+    if not path:
+        return None
+    try:
+        same = open_checkpoint(path).identity == idx.checkpoint_id
+    except Exception:  # unreadable or gone: the caller asks for --checkpoint
+        return None
+    return path if same else None
+
+
+def matching_index(data: TraceData, given: str, idx: IndexData,
+                   mismatch: IndexLayoutMismatch) -> tuple[str, IndexData, TraceLayout, str]:
+    """An --index built for another layout than the trace records: the matching index built
+    from the checkpoint the index records (cached), and the sentence that says so; refused
+    (asking for --checkpoint) when that checkpoint is not readable here."""
+    ckpt = readable_checkpoint(idx)
+    if ckpt is None:
+        where = f"its checkpoint {idx.checkpoint_path} is not readable here" if idx.checkpoint_path else \
+            "it records no checkpoint path"
+        raise MoetraceError(f"{mismatch} ({where})")
+    path, trace_layout = resolve_index(data, None, ckpt)
+    built = read_expected(path, data.tensors, data.dtypes, models=data.models)
+    check_layout(data, built, checkpoint=ckpt)
+    trace_layout = check_index_layout(data, built, trace_layout)
+    note = (f"index {given} was built for {idx.layout.describe()}, but the trace records "
+            f"{trace_layout.layout.describe()}: compared with the matching index built from its checkpoint {ckpt} "
+            f"({path})")
+    return path, built, trace_layout, note
 
 
 def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | None = None,
@@ -396,8 +433,13 @@ def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | No
     index_path, trace_layout = resolve_index(data, index, checkpoint)
     idx = read_expected(index_path, data.tensors, data.dtypes, models=data.models)
     check_layout(data, idx, checkpoint=None if index else checkpoint)
-    trace_layout = check_index_layout(data, idx, trace_layout)
+    notes = []
+    try:
+        trace_layout = check_index_layout(data, idx, trace_layout)
+    except IndexLayoutMismatch as err:
+        index_path, idx, trace_layout, note = matching_index(data, index_path, idx, err)
+        notes.append(note)
     report = build_report(Analysis(data, idx, index_path), list(paths), max_rows=max_rows)
     report.doc["inputs"]["layout"] = idx.layout.to_json()
-    report.doc["warnings"] = list(report.doc.get("warnings") or []) + trace_layout.warnings
+    report.doc["warnings"] = notes + list(report.doc.get("warnings") or []) + trace_layout.warnings
     return report
