@@ -366,7 +366,12 @@ def rows_problems(m: dict, f: RowFacts) -> list[str]:
         problems.append(f"{n:,} rows verified online as '{verdict}' {other} the index (the server's verdicts "
                         "disagree with this index's)")
     problems += f.slot_conflicts
-    if f.resident_steps and not vouched:
+    models = m.get("models") if isinstance(m.get("models"), dict) else {}
+    # Steps counted from the hooks' own calls (layer-order) are passes the hooks saw, each with its
+    # resident captures; a server's pass counter also counts CUDA-graph replays no hook sees.
+    counted = (models.get("target") or {}).get("step_source") == "layer-order" if isinstance(models.get("target"),
+                                                                                               dict) else False
+    if f.resident_steps and not vouched and counted:
         from moetrace.tracer.sampling import Sampling
 
         try:
@@ -380,7 +385,6 @@ def rows_problems(m: dict, f: RowFacts) -> list[str]:
         if gone:
             problems.append(f"manifest counts {_count(m, 'steps_seen'):,} steps (steps_seen) but no row holds step(s) "
                             f"{_ids(_short(gone))}")
-    models = m.get("models") if isinstance(m.get("models"), dict) else {}
     for model, layers in sorted(f.layers.items()):
         listed = (models.get(model) or {}).get("layers") if isinstance(models.get(model), dict) else None
         if listed:
@@ -390,16 +394,22 @@ def rows_problems(m: dict, f: RowFacts) -> list[str]:
                                 f"not have (layers {_ids(_short(sorted(listed)))})")
     layouts = _layouts(m)
     if layouts:
-        sampled_experts = (m.get("config") or {}).get("experts") is not None
+        cfg = m.get("config") or {}
+        sampled = cfg.get("experts") is not None or cfg.get("tensors") is not None  # may keep nothing of a layer
         for key in sorted(set(f.slot_counts) - set(layouts)):
             problems.append(f"holds rows of {_where(key)} but records no layout for it")
-        if not vouched and not sampled_experts:
+        if not vouched and not sampled:
             for key in sorted(set(layouts) - set(f.slot_counts)):
                 problems.append(f"records the layout of {_where(key)} but holds no row of it")
     for key, counts in sorted(f.slot_counts.items()):
-        want = layout_slots(layouts[key]) if key in layouts else None
-        wrong = sorted(c for c in counts if c != want)
-        if want is not None and wrong:
+        facts = layouts.get(key)
+        want = layout_slots(facts) if facts is not None else None
+        if want is None:
+            continue
+        # facts that changed during the run hold the last capture's unfilled slots: then only the physical bound
+        most = want + int(facts.get("unfilled_slots") or 0)
+        wrong = sorted(c for c in counts if (c > most if facts.get("changed") else c != want))
+        if wrong:
             problems.append(f"loads of {_where(key)} report {_ids(wrong)} slots but its recorded layout holds {want}")
     return problems
 
