@@ -1,7 +1,8 @@
 """What each rank's rows say, gathered once for the completeness rule (tracer.manifest.
 rows_problems), which holds them against the rank's manifest.
 
-Columnar: one groupby per fact over every row, then one RowFacts per (run, rank).
+Columnar: the rows are sorted by (run, rank) once; each rank's facts are distinct
+counts over integer keys of its slice (several columns folded into one 64-bit key).
 """
 
 from __future__ import annotations
@@ -18,76 +19,119 @@ from moetrace.tracer.manifest import RowFacts, layout_key
 MAX_CONFLICTS = 3  # slot conflicts named per rank (the count says the rest)
 
 
+def _key(*cols: np.ndarray) -> np.ndarray:
+    """Several integer columns folded into one uint64 per row: each step multiplies in a
+    column and scrambles with splitmix64's bijective finalizer, so equal rows give equal
+    keys and different rows collide with probability about 2^-64 per pair."""
+    h = np.zeros(len(cols[0]), np.uint64)
+    with np.errstate(over="ignore"):
+        for x in cols:
+            h = h * np.uint64(0x9E3779B97F4A7C15) + x.astype(np.int64).astype(np.uint64) + np.uint64(1)
+            h ^= h >> np.uint64(30)
+            h *= np.uint64(0xBF58476D1CE4E5B9)
+            h ^= h >> np.uint64(27)
+            h *= np.uint64(0x94D049BB133111EB)
+            h ^= h >> np.uint64(31)
+    return h
+
+
+def _uniq(x: np.ndarray) -> np.ndarray:
+    """Sorted distinct values (by one sort: numpy's np.unique is many times slower on large int arrays)."""
+    s = np.sort(x)
+    return s[np.r_[True, s[1:] != s[:-1]]] if len(s) else s
+
+
+def _distinct(x: np.ndarray) -> set[int]:
+    return set(_uniq(x).tolist())
+
+
 def row_facts(a: Analysis) -> dict[tuple[int, int], RowFacts]:
     """{(run code, rank code): RowFacts} for every (run, rank) with rows."""
     d, c = a.data, a.data.cols
     out: dict[tuple[int, int], RowFacts] = {}
     if d.n == 0:
         return out
-    df = pd.DataFrame({k: c[k] for k in ("run", "rank", "tp", "shard", "model", "step", "source", "capture_seq",
-                                         "layer", "tensor", "slot", "expert", "copy", "slot_count", "online")})
-    df["verdict"] = a.v.verdict
-    key = ["run", "rank"]
-    for (run, rank), g in df.groupby(key, sort=False):
-        out[(int(run), int(rank))] = RowFacts(rows=len(g))
-    _sets(df, key, out, d.models.names)
-    online = df.groupby(key + ["online"]).size()
-    for (run, rank, code), n in online.items():
-        out[(run, rank)].online[ONLINE[code]] = int(n)
-    batches = df.drop_duplicates(key + ["model", "step", "source", "capture_seq", "layer", "tensor"])
-    for (run, rank), n in batches.groupby(key).size().items():
-        out[(run, rank)].captures = int(n)
-    for (run, rank, model, source, layer), g in df.groupby(key + ["model", "source", "layer"])["slot_count"]:
-        f = out[(run, rank)]
-        f.slot_counts[layout_key(SOURCES[source], d.models.names[model], layer)] = set(np.unique(g).tolist())
-    scope = df["verdict"] != OUT_OF_SCOPE
-    said_match, said_mismatch = df["online"] == ONLINE.index("match"), df["online"] == ONLINE.index("mismatch")
-    is_match = df["verdict"] == MATCH
-    for verdict, bad in (("match", said_match & ~is_match & scope), ("mismatch", said_mismatch & is_match)):
-        for (run, rank), n in df[bad].groupby(key).size().items():
-            out[(run, rank)].contradicted[verdict] = int(n)
-    _conflicts(df, key, out, d.models.names)
+    n_rank = int(c["rank"].max()) + 1
+    pair = c["run"].astype(np.int64) * n_rank + c["rank"]
+    order = np.argsort(pair, kind="stable")
+    cuts = np.flatnonzero(np.diff(pair[order])) + 1
+    for ix in np.split(order, cuts):
+        run, rank = divmod(int(pair[ix[0]]), n_rank)
+        out[(run, rank)] = _facts(a, ix)
     return out
 
 
-def _sets(df: pd.DataFrame, key: list[str], out: dict, models: list[str]) -> None:
-    """The rank identities, steps and layers the rows name."""
-    target = df["model"] == models.index("target")
-    resident = df["source"] == SOURCES.index("resident")
-    for col, attr, rows in (("tp", "tp_ranks", None), ("shard", "moe_tp_ranks", None), ("step", "steps", target),
-                            ("step", "resident_steps", target & resident)):
-        sub = df if rows is None else df[rows]
-        for (run, rank), vals in sub.groupby(key)[col]:
-            setattr(out[(run, rank)], attr, set(np.unique(vals).tolist()))
-    for (run, rank, model), vals in df.groupby(key + ["model"])["layer"]:
-        out[(run, rank)].layers[models[model]] = set(np.unique(vals).tolist())
+def _facts(a: Analysis, ix: np.ndarray) -> RowFacts:
+    """The facts of one rank's rows (positions ix)."""
+    d = a.data
+    col = {k: d.cols[k][ix] for k in ("tp", "shard", "model", "step", "source", "capture_seq", "layer", "tensor", "slot",
+                                      "expert", "copy", "slot_count", "online")}
+    f = RowFacts(rows=len(ix), tp_ranks=_distinct(col["tp"]), moe_tp_ranks=_distinct(col["shard"]))
+    f.online = {ONLINE[i]: int(n) for i, n in enumerate(np.bincount(col["online"], minlength=len(ONLINE))) if n}
+    event = _key(col["model"], col["step"], col["source"], col["capture_seq"], col["layer"])
+    f.captures = len(_uniq(_key(event, col["tensor"])))  # one batch per tensor of a capture
+    target = col["model"] == d.models.code("target")
+    f.steps = _distinct(col["step"][target])
+    f.resident_steps = _distinct(col["step"][target & (col["source"] == SOURCES.index("resident"))])
+    top = int(col["slot_count"].max()) + 1
+    layer_top = int(col["layer"].max()) + 1
+    loads = _uniq(((col["source"].astype(np.int64) * len(d.models) + col["model"]) * layer_top + col["layer"]) * top
+                      + col["slot_count"])
+    for k in loads.tolist():
+        rest, count = divmod(k, top)
+        rest, layer = divmod(rest, layer_top)
+        source, model = divmod(rest, len(d.models))
+        f.slot_counts.setdefault(layout_key(SOURCES[source], d.models.names[model], layer), set()).add(count)
+    for k in _uniq(col["model"].astype(np.int64) * layer_top + col["layer"]).tolist():
+        model, layer = divmod(k, layer_top)
+        f.layers.setdefault(d.models.names[model], set()).add(layer)
+    verdict = a.v.verdict[ix]
+    is_match = verdict == MATCH
+    for word, bad in (("match", (col["online"] == ONLINE.index("match")) & ~is_match & (verdict != OUT_OF_SCOPE)),
+                      ("mismatch", (col["online"] == ONLINE.index("mismatch")) & is_match)):
+        if bad.any():
+            f.contradicted[word] = int(bad.sum())
+    f.slot_conflicts = _conflicts(d, col, event)
+    return f
 
 
-def _conflicts(df: pd.DataFrame, key: list[str], out: dict, models: list[str]) -> None:
+def _conflicts(d, col: dict, event: np.ndarray) -> list[str]:
     """Within one capture, a slot holds one expert and one expert copy sits in one slot:
     a slot naming two experts (or a copy named by two slots) is a trace that contradicts itself."""
-    event = key + ["model", "step", "source", "capture_seq", "layer"]
-    pairs = df.drop_duplicates(event + ["slot", "expert", "copy"])
-    for what, by, other in (("slot", ["slot"], "expert"), ("expert", ["expert", "copy"], "slot")):
-        clash = pairs[pairs.duplicated(event + by, keep=False)]
-        if not len(clash):
+    phrases = []
+    held = col["expert"].astype(np.int64) * 65536 + col["copy"]
+    for what, where, value in (("slot", _key(event, col["slot"]), held),
+                               ("expert", _key(event, col["expert"], col["copy"]), col["slot"].astype(np.int64))):
+        pairs = _key(where, value)
+        if len(_uniq(pairs)) == len(_uniq(where)):  # one value per place: the common, fast answer
             continue
-        for (run, rank), g in clash.groupby(key):
-            groups = g.groupby(event[2:] + by, sort=True)[other].agg(lambda s: sorted(set(s.tolist())))
-            phrases = []
-            for idx, names in list(groups.items())[:MAX_CONFLICTS]:
-                model, step, source, _, layer = idx[:5]
-                layer_s = f"{'' if models[model] == 'target' else models[model] + ' '}layer {layer}"
-                if what == "slot":
-                    phrases.append(f"step {step} {layer_s} ({SOURCES[source]}): slot {idx[5]} names experts "
-                                   f"{', '.join(map(str, names))} within one load")
-                else:
-                    phrases.append(f"step {step} {layer_s} ({SOURCES[source]}): expert {idx[5]} copy {idx[6]} sits in "
-                                   f"slots {', '.join(map(str, names))} within one load")
-            more = len(groups) - len(phrases)
-            if more:
-                phrases[-1] += f" (and {more:,} more such {what}s)"
-            out[(int(run), int(rank))].slot_conflicts += phrases
+        _, rows_p = np.unique(pairs, return_index=True)  # a row per distinct (where, value)
+        w_p = where[rows_p]
+        _, inverse, counts = np.unique(w_p, return_inverse=True, return_counts=True)
+        clash = counts[inverse.reshape(-1)] > 1  # where named with two values
+        if not clash.any():
+            continue
+        groups = pd.DataFrame({"where": w_p[clash], "row": rows_p[clash]}).groupby("where", sort=False)["row"]
+        named = []
+        for _, rows in groups:
+            r = rows.to_numpy()
+            model = d.models.names[int(col["model"][r[0]])]
+            layer = f"{'' if model == 'target' else model + ' '}layer {int(col['layer'][r[0]])}"
+            at = f"step {int(col['step'][r[0]])} {layer} ({SOURCES[int(col['source'][r[0]])]})"
+            if what == "slot":
+                names = ", ".join(str(x) for x in sorted({int(col["expert"][i]) for i in r}))
+                named.append((int(col["step"][r[0]]), f"{at}: slot {int(col['slot'][r[0]])} names experts {names} "
+                                                      "within one load"))
+            else:
+                slots = ", ".join(str(x) for x in sorted({int(col["slot"][i]) for i in r}))
+                named.append((int(col["step"][r[0]]), f"{at}: expert {int(col['expert'][r[0]])} copy "
+                                                      f"{int(col['copy'][r[0]])} sits in slots {slots} within one load"))
+        named.sort()
+        shown = [p for _, p in named[:MAX_CONFLICTS]]
+        if len(named) > len(shown):
+            shown[-1] += f" (and {len(named) - len(shown):,} more such {what}s)"
+        phrases += shown
+    return phrases
 
 
 def index_contradictions(a: Analysis) -> list[str]:

@@ -196,19 +196,26 @@ def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.nd
 
 def held_shapes(col: pa.ChunkedArray, model: np.ndarray, tensor: np.ndarray) -> set[tuple[int, int, tuple]]:
     """The distinct (model code, tensor code, per-expert shape) of rows, without a Python
-    object per row: rows are grouped by their number of dimensions and made unique as integers."""
+    object per row: per (model, tensor) group, rows are compared with the group's first
+    (all rows of a tensor share one shape, unless the trace contradicts itself)."""
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     if len(arr) == 0:
         return set()
     offsets = arr.offsets.to_numpy()
     values = arr.values.to_numpy(zero_copy_only=False)
     starts, ndim = offsets[:-1], np.diff(offsets)
+    n_tensors = int(tensor.max()) + 1
+    group = model.astype(np.int64) * n_tensors + tensor
     out = set()
-    for k in np.unique(ndim).tolist():
-        rows = np.flatnonzero(ndim == k)
-        dims = values[starts[rows, None] + np.arange(k)] if k else np.zeros((len(rows), 0), np.int64)
-        table = np.unique(np.column_stack([model[rows], tensor[rows], dims]).astype(np.int64), axis=0)
-        out |= {(int(r[0]), int(r[1]), tuple(int(x) for x in r[2:])) for r in table}
+    for g in np.flatnonzero(np.bincount(group)).tolist():
+        rows = np.flatnonzero(group == g)
+        m, t = divmod(g, n_tensors)
+        for k in np.unique(ndim[rows]).tolist():
+            sub = rows[ndim[rows] == k]
+            dims = values[starts[sub, None] + np.arange(k)]
+            same = (dims == dims[0]).all()
+            for shape in ([dims[0]] if same else np.unique(dims, axis=0)):
+                out.add((m, t, tuple(int(x) for x in shape)))
     return out
 
 

@@ -271,3 +271,14 @@ def test_dtype_shape_and_size_must_be_the_indexs(demo, tmp_path):
     assert code == 2, inc
     assert reasons(inc, "400 w2_weight_scale_inv rows hold bfloat16, 4 bytes, where the index holds float32, 8 bytes"), inc
     assert reasons(inc, "w13_weight rows of shape [128, 512]", "where the index holds [256, 256]"), inc
+
+
+def test_row_keys_do_not_collide():
+    """The folded keys the rule counts captures and slot conflicts with: every distinct tuple
+    of small ids (the common case, where a weak hash collides) keeps a distinct key."""
+    from moetrace.analysis.row_facts import _key
+
+    a, b = (x.ravel() for x in np.meshgrid(np.arange(600), np.arange(600)))
+    keys = _key(np.zeros_like(a), a, b)
+    assert len(np.unique(keys)) == len(a)
+    assert (_key(a, b) == _key(a.copy(), b.copy())).all() and (_key(a, b) != _key(b, a))[a != b].all()
