@@ -343,7 +343,10 @@ def rows_problems(m: dict, f: RowFacts) -> list[str]:
             problems.append(f"holds rows of {key} {_ids(other)} but its process was {key} {want} (rows bound to "
                             "another rank)")
     vouched = guard_vouches(m)
-    whole = not _count(m, "rows_dropped") and not _count(m, "rows_after_close")
+    # Counters are comparable with the rows only in a closed trace that lost nothing (an
+    # unfinished manifest is a snapshot that may count rows not yet in a part: already a problem).
+    closed = bool(m.get("finished")) and not m.get("disabled")
+    whole = closed and not _count(m, "rows_dropped") and not _count(m, "rows_after_close")
     online = m.get("online") if isinstance(m.get("online"), dict) else {}
     if whole:
         for key in ("match", "mismatch", "unchecked"):
@@ -353,7 +356,7 @@ def rows_problems(m: dict, f: RowFacts) -> list[str]:
         if _count(m, "captures") != f.captures:
             problems.append(f"manifest counts {_count(m, 'captures'):,} captures but its rows hold {f.captures:,}")
     guard = m.get("guard") if isinstance(m.get("guard"), dict) else None
-    if guard and guard.get("status") != "unverified":
+    if guard and guard.get("status") != "unverified" and closed:
         t = guard.get("tensors") or {}
         said, held = int(t.get("mismatch") or 0), int(f.online.get("mismatch") or 0)
         if (held != said) if (vouched and whole) else (held < said - _count(m, "rows_after_close")):
@@ -371,7 +374,7 @@ def rows_problems(m: dict, f: RowFacts) -> list[str]:
     # resident captures; a server's pass counter also counts CUDA-graph replays no hook sees.
     counted = (models.get("target") or {}).get("step_source") == "layer-order" if isinstance(models.get("target"),
                                                                                                dict) else False
-    if f.resident_steps and not vouched and counted:
+    if f.resident_steps and not vouched and counted and whole:
         from moetrace.tracer.sampling import Sampling
 
         try:
@@ -398,7 +401,7 @@ def rows_problems(m: dict, f: RowFacts) -> list[str]:
         sampled = cfg.get("experts") is not None or cfg.get("tensors") is not None  # may keep nothing of a layer
         for key in sorted(set(f.slot_counts) - set(layouts)):
             problems.append(f"holds rows of {_where(key)} but records no layout for it")
-        if not vouched and not sampled:
+        if whole and not vouched and not sampled:
             for key in sorted(set(layouts) - set(f.slot_counts)):
                 problems.append(f"records the layout of {_where(key)} but holds no row of it")
     for key, counts in sorted(f.slot_counts.items()):
