@@ -85,6 +85,9 @@ def _facts(a: Analysis, ix: np.ndarray) -> RowFacts:
     for k in _uniq(col["model"].astype(np.int64) * layer_top + col["layer"]).tolist():
         model, layer = divmod(k, layer_top)
         f.layers.setdefault(d.models.names[model], set()).add(layer)
+    f.experts = _distinct(col["expert"])
+    f.tensors = {d.tensors.names[t] for t in _uniq(col["tensor"]).tolist()}
+    f.sources = {SOURCES[x] for x in _uniq(col["source"]).tolist()}
     verdict = a.v.verdict[ix]
     is_match = verdict == MATCH
     for word, bad in (("match", (col["online"] == ONLINE.index("match")) & ~is_match & (verdict != OUT_OF_SCOPE)),

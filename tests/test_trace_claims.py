@@ -116,18 +116,36 @@ def test_hidden_bad_slots_are_refused(demo, tmp_path):
     assert reasons(inc, "guard counts 108 mismatching tensors"), inc
 
 
-def test_expert_sampling_naming_every_expert_keeps_coverage(demo, tmp_path):
-    """Item 3: the unfenced run's 108 bad rows deleted, then config.experts "0-7" (all of them)."""
+@pytest.mark.parametrize("experts,missing", [("0-7", 108), ("0-5", 108), ("0-1", 36)])
+def test_expert_sampling_cannot_turn_coverage_off(demo, tmp_path, experts, missing):
+    """Item 3: the unfenced run's 108 bad rows (slots 0-5's w2 scales of rank 1's staged
+    loads) deleted, then config.experts naming all experts, or fewer (the rows of the
+    others deleted too, as a sampled capture writes them)."""
     unf, _, index = demo
+    from moetrace.schema import parse_ids
+
+    kept = set(parse_ids(experts, "experts"))
 
     def rows(label, t):
-        return _drop(t, pc.equal(t.column("online"), "mismatch").to_numpy(zero_copy_only=False))
+        bad = pc.equal(t.column("online"), "mismatch").to_numpy(zero_copy_only=False)
+        return _drop(t, bad | ~np.isin(t.column("expert").to_numpy(), list(kept)))
 
     def manifest(label, m):
-        m["config"]["experts"] = "0-7"
+        m["config"]["experts"] = experts
 
     code, inc, _ = audit(tamper_run(unf, tmp_path / "t", rows, manifest), index)
-    assert code == 2 and reasons(inc, "108 expected entries not captured in their loads"), inc
+    assert code == 2 and reasons(inc, f"{missing} expected entries not captured in their loads"), inc
+
+
+def test_rows_the_sampling_excluded_are_refused(demo, tmp_path):
+    """A manifest whose sampling excludes experts its rows still hold contradicts itself."""
+    _, fen, index = demo
+
+    def manifest(label, m):
+        m["config"]["experts"] = "0-5"
+
+    code, inc, _ = audit(tamper_run(fen, tmp_path / "t", manifest=manifest), index)
+    assert code == 2 and reasons(inc, "rank 0 holds rows of expert(s) 6, 7 that its sampling (config) excluded"), inc
 
 
 def test_rows_moved_out_of_scope_are_refused(demo, tmp_path):

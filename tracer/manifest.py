@@ -286,6 +286,9 @@ class RowFacts:
     resident_steps: set = field(default_factory=set)  # steps of the target model's resident rows
     slot_counts: dict = field(default_factory=dict)  # layout key "<source>:<model>:<layer>" -> slot_count values
     layers: dict = field(default_factory=dict)  # model -> layers with rows
+    experts: set = field(default_factory=set)  # logical experts the rows name
+    tensors: set = field(default_factory=set)  # tensor names of the rows
+    sources: set = field(default_factory=set)  # sources of the rows
     slot_conflicts: list = field(default_factory=list)  # phrases: a slot naming two experts within one load
     contradicted: dict = field(default_factory=dict)  # online verdict -> rows the index judges otherwise
 
@@ -374,13 +377,19 @@ def rows_problems(m: dict, f: RowFacts) -> list[str]:
     # resident captures; a server's pass counter also counts CUDA-graph replays no hook sees.
     counted = (models.get("target") or {}).get("step_source") == "layer-order" if isinstance(models.get("target"),
                                                                                                dict) else False
-    if f.resident_steps and not vouched and counted and whole:
-        from moetrace.tracer.sampling import Sampling
+    from moetrace.tracer.sampling import Sampling
 
-        try:
-            s = Sampling.from_config(m.get("config") or {})
-        except Exception:
-            s = Sampling()
+    try:
+        s = Sampling.from_config(m.get("config") or {})
+    except Exception:  # a config the tracer would have refused: nothing is sampled out
+        s = Sampling()
+    target_layers = f.layers.get("target", set())
+    for what, held, kept in (("expert", f.experts, s.experts), ("target layer", target_layers, s.layers),
+                             ("tensor", f.tensors, s.tensors), ("source", f.sources, s.sources)):
+        extra = sorted(held - set(kept)) if kept is not None else []
+        if extra:
+            problems.append(f"holds rows of {what}(s) {_ids(_short(extra))} that its sampling (config) excluded")
+    if f.resident_steps and not vouched and counted and whole:
         origin = min(f.steps)
         want = {origin + k for k in range(_count(m, "steps_seen")) if s.want("resident", k, -1 if s.layers is None
                                                                                else min(s.layers))}
