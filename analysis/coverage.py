@@ -20,7 +20,8 @@ import pandas as pd
 from moetrace.analysis.expected import IndexData
 from moetrace.analysis.trace import TraceData
 from moetrace.analysis.verdicts import MATCH, OUT_OF_SCOPE, KeyLookup, Verdicts, classify
-from moetrace.schema import parse_rank_label
+from moetrace.schema import SOURCES, parse_rank_label
+from moetrace.tracer.manifest import guard_vouches
 
 
 class Analysis:
@@ -146,12 +147,15 @@ class Analysis:
             for label, rk in run.ranks.items():
                 _, experts, tensors = rk.sampling()
                 mine = (L["run"].to_numpy() == rc) & (L["rank"].to_numpy() == self.data.label_code(label))
-                if experts is not None:  # slots of unsampled experts were never written: not missing
-                    self.slot_sampled = True
+                if guard_vouches(rk.manifest):  # rows of mismatches only: the guard's coverage is the rank's
                     expected = np.where(mine, captured, expected)
-                elif tensors is not None:
+                    continue
+                if tensors is not None:
                     for li in np.flatnonzero(mine).tolist():
                         expected[li] = int(L["slot_count"].iat[li]) * len(self.kinds_of(int(shard[li]), int(lkey[li]), tensors))
+                if experts is not None and not self._all_experts(experts):
+                    # slots of unsampled experts were never written: not missing
+                    expected = np.where(mine, self._sampled_slots(mine, experts, expected, captured), expected)
         L["expected"], L["captured"] = expected, captured
         L["missing"] = np.maximum(expected - captured, 0)
         L["duplicates"] = with_pos - captured
@@ -163,6 +167,33 @@ class Analysis:
         for (run, rank, lk), grp in keyed.groupby(["run", "rank", "lkey"]):
             self.captured_entries[(int(run), int(rank), int(lk))] = np.unique(grp["pos"].to_numpy())
         self.missing_loads = self._missing_loads()
+
+    def _all_experts(self, experts: set[int]) -> bool:
+        """An expert sampling that names every expert the index has samples nothing out."""
+        ids = np.unique(self.idx.expert)
+        return bool(np.isin(ids, np.array(sorted(experts), dtype=np.int64)).all())
+
+    def _sampled_slots(self, mine: np.ndarray, experts: set[int], expected: np.ndarray,
+                       captured: np.ndarray) -> np.ndarray:
+        """Expected entries of a rank's loads under expert sampling. A staged load holds
+        expert e in slot e (KT's full layer), so it expects the sampled experts below its
+        slot count; a resident load's slot map is the server's, so it expects as many as
+        the fullest load of its (layer, source) captured (a slot dropped from every load is
+        then not seen: a warning says so)."""
+        L = self.loads
+        out = expected.copy()
+        staged = mine & (L["source"].to_numpy() == SOURCES.index("staged"))
+        ids = np.array(sorted(experts), dtype=np.int64)
+        for li in np.flatnonzero(staged).tolist():
+            kinds = expected[li] // max(int(L["slot_count"].iat[li]), 1)
+            out[li] = int((ids < int(L["slot_count"].iat[li])).sum()) * kinds
+        resident = mine & ~staged
+        if resident.any():
+            self.slot_sampled = True
+            key = L.loc[resident, ["lkey", "source"]].astype(str).agg(":".join, axis=1)
+            most = pd.Series(captured[resident]).groupby(key.to_numpy()).transform("max").to_numpy()
+            out[resident] = most
+        return out
 
     def _sampled_tensors(self, li: int) -> set[str] | None:
         """The tensor sampling of the rank that captured load li (None: all)."""
@@ -179,7 +210,7 @@ class Analysis:
         for slot, grp in seen.groupby("slot"):
             expert = int(grp["expert"].iloc[0])
             out += [(int(slot), expert, int(t)) for t in np.setdiff1d(kinds, grp["tensor"].to_numpy())]
-        absent = int(row["slot_count"]) - seen["slot"].nunique()
+        absent = int(row["expected"]) // max(len(kinds), 1) - seen["slot"].nunique()
         out += [(-1, -1, int(t)) for _ in range(max(absent, 0)) for t in kinds]
         return out
 
@@ -193,6 +224,8 @@ class Analysis:
             Lr = L[L["run"] == rc] if len(L) else L
             groups: dict[tuple, list[str]] = {}
             for label in run.expected_ranks:
+                if label in run.ranks and guard_vouches(run.ranks[label].manifest):
+                    continue  # rows of mismatches only: another rank's loads are not its to hold
                 replica, pp, _ = parse_rank_label(label)
                 groups.setdefault((replica, pp), []).append(label)
             for labels in groups.values():

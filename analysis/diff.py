@@ -49,6 +49,21 @@ def _frame(data: TraceData, tensor_names: list[str], a: Analysis | None) -> pd.D
     return df.drop_duplicates(KEY, keep="first")
 
 
+def _parallel(data: TraceData) -> set[str]:
+    return {f"TP{r.tp_size} EP{r.ep_size} PP{r.pp_size}" + (f" moe_tp {r.moe_tp_size}" if r.moe_tp_size else "")
+            for r in data.runs}
+
+
+def check_same_layout(da: TraceData, db: TraceData) -> None:
+    """Entries are matched by rank: two runs compare only when every rank holds the same
+    shard in both (the same TP/EP/PP sizes), else every entry would read as changed."""
+    a, b = _parallel(da), _parallel(db)
+    if a != b:
+        raise MoetraceError(f"run A is {', '.join(sorted(a))} but run B is {', '.join(sorted(b))}: their ranks hold "
+                            "different shards, so their entries cannot be compared; diff runs of one layout "
+                            "(analyze each against its own index instead)")
+
+
 def _label(v: int, k: int, fr: int) -> str:
     if v == STALE:
         return f"E{k:+d}"
@@ -65,6 +80,7 @@ def diff(run_a: Sequence[str] | str, run_b: Sequence[str] | str, index: str | No
     for d, p in ((da, pa_), (db, pb_)):
         if d.n == 0:
             raise MoetraceError(f"trace {', '.join(p)} holds no rows: nothing to compare")
+    check_same_layout(da, db)
     aa = ab = None
     index_path = None
     if index or checkpoint:

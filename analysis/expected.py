@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from moetrace.analysis.trace import Vocab, digest_columns
+from moetrace.analysis.trace import Vocab, digest_columns, held_shapes
 from moetrace.checkpoints.index import INDEX_META_KEY, read_index
 from moetrace.checkpoints.layout import ServerLayout
 from moetrace.errors import MoetraceError
@@ -52,6 +52,8 @@ class IndexData:
     fmt: str | None = None  # checkpoint format (metadata "format")
     intermediate_size: int | None = None  # moe_intermediate_size (metadata; older indexes: from w2_weight)
     held: dict | None = None  # tensor -> (dtype, per-expert shape) of its first row
+    shapes: set | None = None  # every (model code, tensor code, per-expert shape) the index holds
+    checkpoint_path: str | None = None  # the checkpoint folder it was built from (metadata)
 
     @property
     def n(self) -> int:
@@ -96,6 +98,7 @@ def read_expected(path: str, tensors: Vocab, dtypes: Vocab, layers: set[int] | N
         num_experts=int(meta.get("num_experts") or 0), shared_experts=int(meta.get("shared_experts") or 0),
         draft=meta.get("draft"),
         layout=ServerLayout.from_json(meta.get("layout")), fmt=meta.get("format"), held=_held(t),
+        shapes=held_shapes(t.column("shape"), model, tensor), checkpoint_path=meta.get("checkpoint_path"),
     )
     idx.intermediate_size = meta.get("intermediate_size") or _intermediate_of(idx)
     key = np.stack([idx.rank, idx.model, idx.layer, idx.expert, idx.tensor], axis=1)

@@ -26,7 +26,9 @@ from moetrace.checkpoints.index_build import cached_index
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.errors import MoetraceError
 from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES, format_ids, parse_rank_label
-from moetrace.tracer.manifest import label_key, rank_problems, refusal_problem, run_file_problems
+from moetrace.analysis.row_facts import index_contradictions, row_facts
+from moetrace.tracer.manifest import (RowFacts, guard_vouches, label_key, rank_problems, refusal_problem,
+                                      rows_problems, run_file_problems)
 
 MAX_ROWS_DEFAULT = 1000  # divergent rows listed in the JSON document
 MAX_MISSING_LISTED = 64  # missing (expert, tensor) entries listed per load
@@ -71,9 +73,11 @@ def _rows_per_rank(a: Analysis):
 
 def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> list[dict]:
     """One document per run with its manifests; completeness problems appended to `incomplete`
-    (the one rule of tracer.manifest, plus what only a reader can see: rows that did not arrive)."""
+    (the one rule of tracer.manifest: each manifest, and its rows against it, plus what only a
+    reader can see: rows that did not arrive)."""
     d, L, idx = a.data, a.loads, a.idx
     rows_of = _rows_per_rank(a)
+    facts = row_facts(a)
     runs_doc = []
     for run in d.runs:
         rc = d.run_ids.code(run.run_id)
@@ -94,6 +98,8 @@ def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> li
                 "disabled": bool(rk.manifest.get("disabled")),
             })
             incomplete += [f"run {run.run_id} rank {r} {p}" for p in rank_problems(rk.manifest)]
+            incomplete += [f"run {run.run_id} rank {r} {p}"
+                           for p in rows_problems(rk.manifest, facts.get((rc, d.label_code(r)), RowFacts()))]
             for path in rk.unlisted_parts:
                 incomplete.append(f"run {run.run_id} rank {r}: {path} is not listed in its manifest "
                                   "(a stale or foreign part; not read)")
@@ -117,9 +123,11 @@ def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> li
         sampled = rk0.sampling()[0] if rk0 else None
         if sampled is not None:
             expected_layers &= sampled
-        seen = set(L.loc[(L["run"] == rc) & (L["model"] == target), "layer"].tolist()) if len(L) else set()
+        whole = [d.label_code(r) for r, rk in run.ranks.items() if not guard_vouches(rk.manifest)]
+        mine = (L["run"] == rc) & (L["model"] == target) & L["rank"].isin(whole) if len(L) else None
+        seen = set(L.loc[mine, "layer"].tolist()) if len(L) else set()
         never = sorted(expected_layers - seen)
-        if never and rows_run:
+        if never and sum(rows_of(rc, code) for code in whole):
             incomplete.append(f"run {run.run_id}: layer(s) {format_ids(never)} never captured")
         runs_doc.append({
             "run_id": run.run_id, "path": run.path, "checkpoint_id": run.checkpoint_id, "tp_size": run.tp_size,
@@ -157,7 +165,8 @@ def _trace_problems(a: Analysis, counts: np.ndarray, incomplete: list[str], warn
     if a.slot_sampled:
         warnings.append("expert sampling is on: slots of unsampled experts were not captured, so per-slot coverage "
                         "counts only what was captured")
-    if not a.scope.any():
+    incomplete += [f"the trace contradicts the index: {p}" for p in index_contradictions(a)]
+    if not a.scope.any() and not guard_verified(a):
         incomplete.append("nothing in the index's scope was captured")
 
 
@@ -216,11 +225,25 @@ def _loads_section(a: Analysis, drows: np.ndarray) -> tuple[list[dict], list[dic
     return loads_doc, missing_loads_doc
 
 
-def _totals_sentence(n_match: int, total: int, steps: int, ranks: list[int], by_verdict: dict) -> str:
+def _totals_sentence(n_match: int, total: int, steps: int, ranks: list[int], by_verdict: dict,
+                     guard: int = 0) -> str:
     s = (f"{fmt_int(n_match)}/{fmt_int(total)} tensors match across {fmt_int(steps)} step{'s' if steps != 1 else ''}, "
          f"{fmt_int(len(ranks))} rank{'s' if len(ranks) != 1 else ''}")
+    if guard:
+        s += f" ({fmt_int(guard)} verified by the in-server guard)"
     extra = [f"{fmt_int(by_verdict[name])} {name.replace('_', ' ')}" for name in VERDICTS[1:] if by_verdict[name]]
     return s + ("; " + ", ".join(extra) if extra else "")
+
+
+def guard_verified(a: Analysis) -> dict[str, int]:
+    """{rank label: matching tensors its guard verified} of the ranks whose guard kept rows of
+    mismatches only (tracer.manifest.guard_vouches); their rows hold the mismatches."""
+    out = {}
+    for run in a.data.runs:
+        for label, rk in run.ranks.items():
+            if guard_vouches(rk.manifest) and rk.manifest["guard"].get("status") in ("ok", "mismatch"):
+                out[label] = out.get(label, 0) + int((rk.manifest["guard"].get("tensors") or {}).get("match") or 0)
+    return out
 
 
 def build_report(a: Analysis, inputs: list[str], max_rows: int = MAX_ROWS_DEFAULT) -> Report:
@@ -232,11 +255,14 @@ def build_report(a: Analysis, inputs: list[str], max_rows: int = MAX_ROWS_DEFAUL
     counts = _verdict_counts(a)
     by_verdict = {VERDICTS[i]: int(counts[i]) for i in range(len(VERDICTS))}
     in_scope_rows = int(a.scope.sum())
-    total = in_scope_rows + int(counts[MISSING])
-    n_match = int(counts[MATCH])
-    divergent = in_scope_rows - n_match
+    divergent = in_scope_rows - int(counts[MATCH])
+    # A guard that kept rows of mismatches only verified the rest in the server: its matches count.
+    vouched = guard_verified(a)
+    by_verdict["match"] += sum(vouched.values())
+    total = in_scope_rows + int(counts[MISSING]) + sum(vouched.values())
+    n_match = by_verdict["match"]
     steps = int(L["step"].nunique()) if len(L) else 0
-    ranks = sorted({d.labels[int(r)] for r in L["rank"].unique()}, key=label_key) if len(L) else []
+    ranks = sorted({d.labels[int(r)] for r in L["rank"].unique()} | set(vouched), key=label_key) if len(L) or vouched else []
 
     runs_doc = _runs_section(a, incomplete, warnings)
     _trace_problems(a, counts, incomplete, warnings)
@@ -261,8 +287,9 @@ def build_report(a: Analysis, inputs: list[str], max_rows: int = MAX_ROWS_DEFAUL
         "totals": {
             "rows_read": int(d.n), "rows_in_scope": in_scope_rows, "rows_out_of_scope": int(d.n) - in_scope_rows,
             "tensors": total, "match": n_match, "divergent": divergent, "missing": int(counts[MISSING]),
-            "by_verdict": by_verdict, "steps": steps, "ranks": ranks, "loads": int(len(L)),
-            "sentence": _totals_sentence(n_match, total, steps, ranks, by_verdict),
+            "by_verdict": by_verdict, "guard_verified": sum(vouched.values()), "steps": steps, "ranks": ranks,
+            "loads": int(len(L)),
+            "sentence": _totals_sentence(n_match, total, steps, ranks, by_verdict, sum(vouched.values())),
         },
         "incomplete": incomplete,
         "warnings": warnings,
@@ -340,6 +367,10 @@ def resolve_index(data: TraceData, index: str | None, checkpoint: str | None) ->
     return str(cached_index(checkpoint, tp, ep, layout=trace_layout.layout, moe_dp_size=moe_dp)[0]), trace_layout
 
 
+class IndexLayoutMismatch(MoetraceError):
+    """An --index built for another server layout than the trace records."""
+
+
 def check_index_layout(data: TraceData, idx: IndexData, trace_layout: TraceLayout | None) -> TraceLayout:
     """The index must reproduce the layout the trace recorded, and hold what the server holds."""
     if trace_layout is None:
@@ -348,7 +379,7 @@ def check_index_layout(data: TraceData, idx: IndexData, trace_layout: TraceLayou
                                 "layout facts need; rebuild it with `moetrace index`")
         trace_layout = layout_of_runs(data.runs, idx.fmt, idx.intermediate_size or 0)
         if trace_layout.layout != idx.layout:
-            raise MoetraceError(
+            raise IndexLayoutMismatch(
                 f"index {idx.path} was built for {idx.layout.describe()}, but the trace records "
                 f"{trace_layout.layout.describe()}; pass --checkpoint CKPT so moetrace builds the matching index, or "
                 "rebuild it with `moetrace index CKPT --layout-from TRACE`"
@@ -357,20 +388,58 @@ def check_index_layout(data: TraceData, idx: IndexData, trace_layout: TraceLayou
     return trace_layout
 
 
+def readable_checkpoint(idx: IndexData) -> str | None:
+    """The checkpoint an index was built from, when that folder is readable here and still
+    holds the index's checkpoint (its identity, from the headers); else None."""
+    path = idx.checkpoint_path
+    if not path:
+        return None
+    try:
+        same = open_checkpoint(path).identity == idx.checkpoint_id
+    except Exception:  # unreadable or gone: the caller asks for --checkpoint
+        return None
+    return path if same else None
+
+
+def matching_index(data: TraceData, given: str, idx: IndexData,
+                   mismatch: IndexLayoutMismatch) -> tuple[str, IndexData, TraceLayout, str]:
+    """An --index built for another layout than the trace records: the matching index built
+    from the checkpoint the index records (cached), and the sentence that says so; refused
+    (asking for --checkpoint) when that checkpoint is not readable here."""
+    ckpt = readable_checkpoint(idx)
+    if ckpt is None:
+        where = f"its checkpoint {idx.checkpoint_path} is not readable here" if idx.checkpoint_path else \
+            "it records no checkpoint path"
+        raise MoetraceError(f"{mismatch} ({where})")
+    path, trace_layout = resolve_index(data, None, ckpt)
+    built = read_expected(path, data.tensors, data.dtypes, models=data.models)
+    check_layout(data, built, checkpoint=ckpt)
+    trace_layout = check_index_layout(data, built, trace_layout)
+    note = (f"index {given} was built for {idx.layout.describe()}, but the trace records "
+            f"{trace_layout.layout.describe()}: compared with the matching index built from its checkpoint {ckpt} "
+            f"({path})")
+    return path, built, trace_layout, note
+
+
 def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | None = None,
             max_rows: int = MAX_ROWS_DEFAULT) -> Report:
     """Analyze traces against an index (or a checkpoint, via the index cache)."""
     if isinstance(paths, str):
         paths = [paths]
     data = read_trace(paths)
-    if data.n == 0:
+    if data.n == 0 and not all(guard_vouches(rk.manifest) for run in data.runs for rk in run.ranks.values()):
         why = f"; {len(data.skipped_parts)} unreadable part(s) skipped, first {data.skipped_parts[0][0]}" if data.skipped_parts else ""
         raise MoetraceError(f"trace {', '.join(paths)} holds no rows: nothing was captured{why}")
     index_path, trace_layout = resolve_index(data, index, checkpoint)
     idx = read_expected(index_path, data.tensors, data.dtypes, models=data.models)
     check_layout(data, idx, checkpoint=None if index else checkpoint)
-    trace_layout = check_index_layout(data, idx, trace_layout)
+    notes = []
+    try:
+        trace_layout = check_index_layout(data, idx, trace_layout)
+    except IndexLayoutMismatch as err:
+        index_path, idx, trace_layout, note = matching_index(data, index_path, idx, err)
+        notes.append(note)
     report = build_report(Analysis(data, idx, index_path), list(paths), max_rows=max_rows)
     report.doc["inputs"]["layout"] = idx.layout.to_json()
-    report.doc["warnings"] = list(report.doc.get("warnings") or []) + trace_layout.warnings
+    report.doc["warnings"] = notes + list(report.doc.get("warnings") or []) + trace_layout.warnings
     return report

@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -26,9 +27,10 @@ from moetrace.tracer.manifest import label_key
 TRACE_COLUMNS = [
     "schema_version", "run_id", "model", "tp_size", "tp_rank", "ep_size", "moe_tp_rank", "step", "source",
     "capture_seq", "transport_position", "slot", "expert_copy", "slot_count", "layer", "expert", "tensor",
-    "copy_position", "dtype", "nbytes", "digest",
+    "copy_position", "dtype", "shape", "nbytes", "digest", "online",
 ]
-_DICT_COLUMNS = ["run_id", "model", "source", "tensor", "dtype"]
+_DICT_COLUMNS = ["run_id", "model", "source", "tensor", "dtype", "online"]
+ONLINE = ("unchecked", "match", "mismatch")  # cols["online"] codes; a null verdict is "unchecked"
 
 
 class Vocab:
@@ -106,6 +108,7 @@ class TraceData:
     skipped_parts: list[tuple[str, str]]  # (path, reason)
     labels: list[str] = field(default_factory=list)  # cols["rank"] code -> rank label of the process
     models: Vocab = field(default_factory=lambda: Vocab(MODELS))  # cols["model"] codes
+    shapes: dict = field(default_factory=dict)  # (model code, tensor code, per-expert shape) -> a part holding it
 
     def label_code(self, label: str) -> int:
         return self.labels.index(label)
@@ -123,6 +126,7 @@ COL_DTYPES = {
     "source": np.int8, "capture_seq": np.int64, "transport_position": np.int32, "slot": np.int32, "copy": np.int16,
     "slot_count": np.int32, "layer": np.int32, "expert": np.int32, "tensor": np.int16, "copy_position": np.int8,
     "dtype": np.int16, "nbytes": np.int64, "hi": np.int64, "lo": np.int64, "part": np.int32, "row": np.int32,
+    "online": np.int8,
 }
 _NUMERIC = {"tp": "tp_rank", "shard": "moe_tp_rank", "step": "step", "capture_seq": "capture_seq",
             "transport_position": "transport_position", "slot": "slot", "copy": "expert_copy", "slot_count": "slot_count",
@@ -165,7 +169,7 @@ def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.nd
         raise ValueError(f"read {n} rows, footer says {pf.metadata.num_rows}")
     sl = slice(start, start + n)
     if n == 0:
-        return set(), set()
+        return set(), set(), set()
     ver = t.column("schema_version").to_numpy()
     if ver.min() != TRACE_SCHEMA_VERSION or ver.max() != TRACE_SCHEMA_VERSION:
         raise _SchemaVersion(path, sorted(set(np.unique(ver).tolist())))
@@ -181,12 +185,53 @@ def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.nd
     out["rank"][sl] = rank_code
     out["tensor"][sl] = tensor_v.codes_of(t.column("tensor"), np.int16)
     out["dtype"][sl] = dtype_v.codes_of(t.column("dtype"), np.int16)
+    out["online"][sl] = _online_codes(t.column("online"), path)
     for dst, col in _NUMERIC.items():
         out[dst][sl] = t.column(col).to_numpy()
     out["part"][sl] = part_id
     out["row"][sl] = np.arange(n, dtype=np.int32)
     sizes = tuple({int(x) for x in t.column(c).unique().to_pylist()} for c in ("tp_size", "ep_size"))
-    return sizes
+    return (*sizes, held_shapes(t.column("shape"), out["model"][sl], out["tensor"][sl]))
+
+
+def held_shapes(col: pa.ChunkedArray, model: np.ndarray, tensor: np.ndarray) -> set[tuple[int, int, tuple]]:
+    """The distinct (model code, tensor code, per-expert shape) of rows, without a Python
+    object per row: per (model, tensor) group, rows are compared with the group's first
+    (all rows of a tensor share one shape, unless the trace contradicts itself)."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if len(arr) == 0:
+        return set()
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.to_numpy(zero_copy_only=False)
+    starts, ndim = offsets[:-1], np.diff(offsets)
+    n_tensors = int(tensor.max()) + 1
+    group = model.astype(np.int64) * n_tensors + tensor
+    out = set()
+    for g in np.flatnonzero(np.bincount(group)).tolist():
+        rows = np.flatnonzero(group == g)
+        m, t = divmod(g, n_tensors)
+        for k in np.unique(ndim[rows]).tolist():
+            sub = rows[ndim[rows] == k]
+            dims = values[starts[sub, None] + np.arange(k)]
+            same = (dims == dims[0]).all()
+            for shape in ([dims[0]] if same else np.unique(dims, axis=0)):
+                out.add((m, t, tuple(int(x) for x in shape)))
+    return out
+
+
+def _online_codes(col: pa.ChunkedArray, path: str) -> np.ndarray:
+    """ONLINE codes of the online column (a null verdict is "unchecked"), without decoding strings."""
+    vocab, out = Vocab(ONLINE), []
+    for ch in col.chunks:
+        if not pa.types.is_dictionary(ch.type):
+            ch = ch.dictionary_encode()
+        mapping = np.array([vocab.code(v) for v in ch.dictionary.to_pylist()] + [0], dtype=np.int8)
+        idx = pc.fill_null(ch.indices, len(ch.dictionary)).to_numpy(zero_copy_only=False)
+        out.append(mapping[idx])
+    if len(vocab) > len(ONLINE):
+        raise MoetraceError(f"trace part {path} has online value(s) {vocab.names[len(ONLINE):]}; expected 'match', "
+                            "'mismatch' or null")
+    return np.concatenate(out) if out else np.zeros(0, np.int8)
 
 
 def _parts_of(runs: list[RunInfo], fs_of: dict) -> tuple[list[tuple[pafs.FileSystem, str]], list[RunInfo],
@@ -243,6 +288,7 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moetrace-read") as pool:
         outcomes = list(pool.map(read_one, usable))
     ok = np.array([pf is not None for pf in opened], dtype=bool)
+    shapes: dict[tuple[int, int, tuple], str] = {}
     for i, res in zip(usable, outcomes):
         if isinstance(res, (MoetraceError, _SchemaVersion, str)):
             ok[i] = False
@@ -251,6 +297,8 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
         if counts[i]:
             failed.versions.setdefault(TRACE_SCHEMA_VERSION, parts[i][1])
         run = part_run[i]
+        for shape in res[2]:
+            shapes.setdefault(shape, parts[i][1])
         for name, vals, want in (("tp_size", res[0], run.tp_size), ("ep_size", res[1], run.ep_size)):
             if vals and vals != {want}:
                 raise MoetraceError(f"trace part {parts[i][1]} has {name} {sorted(vals)} but its manifest says {want}")
@@ -260,7 +308,7 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
         cols = {k: v[keep] for k, v in cols.items()}
     data = TraceData(runs=runs, cols=cols, run_ids=vocabs[0], tensors=vocabs[1], dtypes=vocabs[2],
                      parts=parts, skipped_parts=[(parts[i][1], failed.skipped[i]) for i in sorted(failed.skipped)],
-                     labels=labels, models=vocabs[3])
+                     labels=labels, models=vocabs[3], shapes=shapes)
     _check_rows_against_manifests(data)
     return data
 

@@ -155,7 +155,9 @@ def write_bench(out: str, rows: int, run_id: str = "bench", seed: int = 0, rows_
         written += rank_rows
         m = new_rank_manifest(run_id, r, tp, {"out": trace_dir, "run_id": run_id}, ix["checkpoint_id"], "config")
         m.update(ep_size=1, ep_rank=0, moe_tp_size=tp, moe_tp_rank=r, finished=True, close_reason="close",
-                 rows_written=int(rank_rows), rows_captured=int(rank_rows),
+                 rows_written=int(rank_rows), rows_captured=int(rank_rows), steps_seen=int(steps),
+                 captures=int(rank_rows) // experts,  # one batch per tensor of a layer load: one row per expert
+                 online={"match": 0, "mismatch": 0, "unchecked": int(rank_rows)},
                  parts=[{"file": n, "rows": int(c), "written_at": m["started_at"]} for n, c in zip(names, counts)])
         with open(os.path.join(rank_dir, MANIFEST_NAME), "w") as f:
             json.dump(m, f)

@@ -158,6 +158,16 @@ def test_diff_runs(env):
     assert same["totals"]["changed"] == 0 and same["first_change"] is None
 
 
+def test_diff_refuses_runs_of_different_tp(env, tmp_path):
+    """Issue 24, 18: a TP1 run diffed against a TP2 run holds other shards on rank 0: refused
+    by name (exit 2) rather than listed as changed digests."""
+    tp1 = CheckpointModel(env["model"].path, tp_size=1)
+    write_scenario(tp1, str(tmp_path), "tp1", STEPS, None)
+    r = cli("diff", f"{env['out']}/fenced", tmp_path / "tp1")
+    assert r.exit_code == 2 and "run A is TP2 EP1 PP1 but run B is TP1 EP1 PP1: their ranks hold different shards" in r.output, r.output
+    assert "entries present in both runs" not in r.output
+
+
 def test_help_has_examples():
     for cmd in ("analyze", "audit", "diff"):
         r = cli(cmd, "--help")

@@ -52,7 +52,7 @@ def by(doc, **kw):
 def test_fenced_run_matches_everything(traces, index):
     rep = analyze([f"{traces}/fenced"], index=index)
     t = rep.doc["totals"]
-    assert rep.doc["status"] == "match" and rep.exit_code == 0
+    assert rep.doc["status"] == "match" and rep.exit_code == 0, rep.doc["incomplete"]
     assert t["sentence"] == "384/384 tensors match across 3 steps, 2 ranks"
     assert t["match"] == t["tensors"] == 384 and t["divergent"] == 0 and t["missing"] == 0
     assert rep.doc["first_divergence"] == [] and rep.doc["summaries"] == []

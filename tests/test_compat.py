@@ -10,6 +10,7 @@ must exit 2 naming the transform; KT INT4/MXFP4/MXFP8 staged contexts are not ca
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 import types
 from dataclasses import dataclass, field
@@ -257,10 +258,21 @@ def test_prebuilt_index_must_be_for_the_traced_layout(oracle, make_ckpt, tmp_pat
     path = make_ckpt(family="qwen3_5_moe", fmt=row.fmt, quant_method=row.quant_method, **CKPT)
     trace = _run(oracle, row, open_checkpoint(path), tmp_path, monkeypatch)
     runner = CliRunner()
+    # The index of a checkpoint copy that is then removed: its checkpoint is not readable here.
+    gone = shutil.copytree(path, tmp_path / "gone", copy_function=shutil.copyfile)  # new mtimes: its own index
     plain, traced = str(tmp_path / "plain.parquet"), str(tmp_path / "traced.parquet")
-    assert runner.invoke(main, ["index", str(path), "--tp", "1", "-o", plain]).exit_code == 0
+    assert runner.invoke(main, ["index", str(gone), "--tp", "1", "-o", plain]).exit_code == 0
+    shutil.rmtree(gone)
     res = runner.invoke(main, ["analyze", trace, "--index", plain])
     assert res.exit_code == 2 and "built for gate rows first, but the trace records up rows first" in res.output
-    assert "--layout-from TRACE" in res.output
+    assert "--layout-from TRACE" in res.output and f"its checkpoint {gone} is not readable here" in res.output
+    # Issue 24, 19: an index whose checkpoint is readable: audit builds the matching one itself and says so.
+    readable = str(tmp_path / "readable.parquet")
+    assert runner.invoke(main, ["index", str(path), "--tp", "1", "-o", readable]).exit_code == 0
+    res = runner.invoke(main, ["audit", trace, "--index", readable])
+    assert res.exit_code == 1, res.output
+    assert (f"index {readable} was built for gate rows first, but the trace records up rows first"
+            in " ".join(res.output.split())), res.output
+    assert f"compared with the matching index built from its checkpoint {path}" in " ".join(res.output.split())
     assert runner.invoke(main, ["index", str(path), "--tp", "1", "--layout-from", trace, "-o", traced]).exit_code == 0
     assert analyze([trace], index=traced).exit_code == 1

@@ -213,3 +213,50 @@ def read_rows(out: str, run_id: str, rank: int | None = None) -> pa.Table:
                 with fs.open_input_file(info.path) as f:
                     tables.append(pq.read_table(f, schema=TRACE_SCHEMA))
     return pa.concat_tables(tables) if tables else TRACE_SCHEMA.empty_table()
+
+
+def tamper_run(src, dst, rows: Callable[[str, pa.Table], pa.Table] | None = None,
+               manifest: Callable[[str, dict], None] | None = None, copies: dict[str, str] | None = None) -> str:
+    """Copy run folder `src` to `dst` and tamper with it as a hostile sweep would, keeping the
+    side files consistent: per rank, ``rows(label, table)`` edits its rows (written back as
+    one part), ``manifest(label, doc)`` its manifest; then the manifest's parts, rows_written,
+    rows_captured and online counts are rewritten to match the rows. ``copies``: {rank label:
+    another rank label}: that rank's folder replaced by a copy of the other's first."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    for label, other in (copies or {}).items():
+        shutil.rmtree(os.path.join(dst, f"rank={label}"))
+        shutil.copytree(os.path.join(src, f"rank={other}"), os.path.join(dst, f"rank={label}"))
+    for name in sorted(os.listdir(dst)):
+        if not name.startswith("rank="):
+            continue
+        label, folder = name[5:], os.path.join(dst, name)
+        parts = sorted(p for p in os.listdir(folder) if p.startswith("part-") and p.endswith(".parquet"))
+        table = pa.concat_tables([pq.read_table(os.path.join(folder, p)) for p in parts]) if parts else \
+            TRACE_SCHEMA.empty_table()
+        if rows is not None:
+            table = rows(label, table)
+        for p in parts:
+            os.remove(os.path.join(folder, p))
+        if table.num_rows:  # a rank that wrote nothing lists no part
+            pq.write_table(table, os.path.join(folder, "part-00000.parquet"))
+        with open(os.path.join(folder, MANIFEST_NAME)) as f:
+            doc = json.load(f)
+        if manifest is not None:
+            manifest(label, doc)
+        online = table.column("online").to_pylist()
+        doc.update(parts=[{"file": "part-00000.parquet", "rows": table.num_rows, "written_at": doc["finished_at"]}]
+                   if table.num_rows else [],
+                   rows_written=table.num_rows, rows_captured=table.num_rows,
+                   online={"match": online.count("match"), "mismatch": online.count("mismatch"),
+                           "unchecked": online.count(None)})
+        with open(os.path.join(folder, MANIFEST_NAME), "w") as f:
+            json.dump(doc, f)
+    return str(dst)
+
+
+def set_column(table: pa.Table, name: str, values) -> pa.Table:
+    """`table` with column `name` replaced by `values` (its type kept)."""
+    i = table.schema.get_field_index(name)
+    return table.set_column(i, table.schema.field(i), pa.array(values, type=table.schema.field(i).type))
