@@ -56,6 +56,13 @@ def _stderr(message: str) -> None:
     click.echo(message, err=True)
 
 
+def _progress(as_json: bool):
+    """Live progress lines on stderr: on a terminal only, never with --json."""
+    from moetrace.jobs.progress import Progress
+
+    return Progress.off() if as_json else Progress(stream=sys.stderr)
+
+
 # Commands register themselves below, one section per area of the data flow.
 # ---- checkpoints: make-checkpoint ------------------------------------------
 @main.command("make-checkpoint")
@@ -497,12 +504,14 @@ def diff_cmd(run_a, run_b, index_path, checkpoint, as_json, max_lines):
                    "or the emulator's.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary instead of text.")
 def demo_cmd(workdir, device, quick, transport, as_json):
-    """Find the FP8 staging race and validate its fix, end to end, in a minute.
+    """Find the FP8 staging race and validate its fix, end to end, on this machine.
 
     Generates a small Qwen3.5-style FP8 checkpoint, builds the index, runs the
     emulated TP2 KT staging server unfenced and fenced on the same requests with
-    moetrace's hooks, analyzes both and writes reports and plots. Exit 0 when the
-    race is found unfenced and the fenced run passes.
+    moetrace's hooks, analyzes both and writes reports and plots (plots skipped,
+    said once, without matplotlib). Each run starts afresh: the work folder's
+    earlier checkpoint, index, traces, reports and rank logs are replaced. Exit 0
+    when the race is found unfenced and the fenced run passes.
 
     \b
     Example:
@@ -515,12 +524,11 @@ def demo_cmd(workdir, device, quick, transport, as_json):
 
         if not torch.cuda.is_available():
             raise MoetraceError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
-    echo = (lambda s: None) if as_json else (lambda s: click.echo(s))
-    summary = demo.run_demo(workdir, device=device, quick=quick, echo=echo, transport=transport)
+    summary = demo.run_demo(workdir, device=device, quick=quick, transport=transport, progress=_progress(as_json))
     if as_json:
         click.echo(demo.to_json(summary))
     else:
-        demo.print_demo(summary, echo)
+        demo.print_demo(summary, click.echo)
     sys.exit(0 if summary["race_found"] and summary["fix_validated"] else 1)
 
 

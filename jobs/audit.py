@@ -5,12 +5,14 @@ hooks and drives traffic (jobs.traffic). The CLI only parses options into these 
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 from moetrace.analysis import render
+from moetrace.analysis.plot import missing_plotter, plot_format, plot_unusable
 from moetrace.analysis.plot import plot as make_plot
-from moetrace.analysis.plot import plot_format
 from moetrace.analysis.report import Report, analyze
 from moetrace.checkpoints.index import index_metadata
 from moetrace.checkpoints.reader import open_checkpoint
@@ -39,46 +41,58 @@ class ReportFiles:
                                     ("--junit", self.junit), ("--plot", self.plot)) if p]
 
     def check(self) -> None:
-        """Before any work: a bad --plot name, or a report path that is a FIFO, a device
-        or a link, is refused in one line (exit 2)."""
+        """Before any work: a bad --plot name, a --plot without matplotlib, or a report
+        path that is a FIFO, a device or a link, is refused in one line (exit 2)."""
         if self.plot:
             plot_format(self.plot)
+            missing = missing_plotter()
+            if missing:
+                raise MoetraceError(f"--plot {self.plot}: {missing}; or drop --plot")
         for option, path in self.options():
             storage.check_output(path, option)
 
     def write_unusable(self, message: str) -> list[str]:
-        """Reports for a trace that could not be analyzed at all; returns the errors of
-        those that could not be written (the one-line error about the trace comes first)."""
-        failed = []
-        for option, path, text in (("--json-out", self.json_out, render.unusable_json),
-                                   ("--markdown", self.markdown, render.unusable_markdown),
-                                   ("--junit", self.junit, render.unusable_junit)):
-            if path:
-                try:
-                    storage.write_local_text(path, option, text(message))
-                except MoetraceError as err:
-                    failed.append(str(err))
-        return failed
+        """Reports for a trace that could not be analyzed at all (the plot: the reason in
+        words); returns the errors of those that could not be written (the one-line error
+        about the trace comes first). All or none, as write()."""
+        return self._write_all([
+            ("--json-out", self.json_out, "json", lambda p: storage.write_local_text(p, "--json-out", render.unusable_json(message))),
+            ("--markdown", self.markdown, "markdown", lambda p: storage.write_local_text(p, "--markdown", render.unusable_markdown(message))),
+            ("--junit", self.junit, "junit", lambda p: storage.write_local_text(p, "--junit", render.unusable_junit(message))),
+            ("--plot", self.plot, "plot", lambda p: plot_unusable(message, p)),
+        ])[1]
 
     def write(self, rep: Report) -> tuple[list[str], list[str]]:
-        """Write every requested report, each whole or not at all; returns ("kind: path"
-        written, one-line errors of those that could not be)."""
+        """Write every requested report; returns ("kind: path" written, one-line errors).
+        All or none: when one cannot be written, those this run wrote are removed again,
+        so no report at those paths (this run's or an earlier run's) survives to be taken
+        for this run's verdict."""
+        return self._write_all([
+            ("--json-out", self.json_out, "json", lambda p: storage.write_local_text(p, "--json-out", render.to_json(rep))),
+            ("--markdown", self.markdown, "markdown", lambda p: storage.write_local_text(p, "--markdown", render.to_markdown(rep))),
+            ("--junit", self.junit, "junit", lambda p: storage.write_local_text(p, "--junit", render.to_junit(rep))),
+            ("--plot", self.plot, "plot", lambda p: make_plot(rep, p)),
+        ])
+
+    @staticmethod
+    def _write_all(items) -> tuple[list[str], list[str]]:
+        items = [(o, p, k, w) for o, p, k, w in items if p]
         written, failed = [], []
-        for option, path, kind, text in (("--json-out", self.json_out, "json", render.to_json),
-                                         ("--markdown", self.markdown, "markdown", render.to_markdown),
-                                         ("--junit", self.junit, "junit", render.to_junit)):
-            if path:
-                try:
-                    storage.write_local_text(path, option, text(rep))
-                    written.append(f"{kind}: {path}")
-                except MoetraceError as err:
-                    failed.append(str(err))
-        if self.plot:
+        for _, path, kind, write in items:
             try:
-                make_plot(rep, self.plot)
-                written.append(f"plot: {self.plot}")
+                write(path)  # each file whole or not at all (a temp file renamed over the path)
+                written.append(f"{kind}: {path}")
             except MoetraceError as err:
                 failed.append(str(err))
+        if failed:
+            for option, path, _, _ in items:
+                local = storage.local_path(path)
+                if local is not None and os.path.isfile(local) and not os.path.islink(local):
+                    with contextlib.suppress(OSError):
+                        os.unlink(local)
+            failed.append("no report written: " + ", ".join(f"{o} {p}" for o, p, _, _ in items)
+                          + " left absent, so that none is taken for this run's")
+            written = []
         return written, failed
 
 
