@@ -191,6 +191,29 @@ def run_audit(opts: AnalysisOptions, launch: LaunchOptions | None, echo: Callabl
     return code
 
 
+# hook config keys that verify in the server against an index (tracer.config.TraceConfig)
+_NEEDS_INDEX = (("guard", lambda v: bool(v)), ("chunk_digests", lambda v: v == "mismatch"),
+                ("dump_max_count", lambda v: bool(v)))
+
+
+def _hand_index(config: dict, index: str) -> None:
+    """--index is the one index of the audit: the hooks that verify in the server (the
+    guard, chunk_digests=mismatch, dumps) get it too, unless the hook config names the
+    same file; a different one is refused (two indexes would judge one run twice)."""
+    local = storage.local_path(index)
+    path = os.path.abspath(local) if local is not None else index  # the server may run elsewhere
+    given = config.get("index")
+    if given is not None:
+        given_local = storage.local_path(str(given))
+        same = (os.path.abspath(given_local) == path) if given_local is not None and local is not None else given == index
+        if not same:
+            raise MoetraceError(f"audit --launch: --hook-config names index {given} but --index is {index}: one index "
+                                "per audit; drop the hook config's index (--index reaches the hooks)")
+        return
+    if any(check(config.get(key)) for key, check in _NEEDS_INDEX):
+        config["index"] = path
+
+
 def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[str], None]) -> tuple[str, str | None, dict]:
     """Run the server under the launcher and drive its traffic; returns (run folder,
     traffic problem or None, the launch facts for the JSON report)."""
@@ -199,6 +222,7 @@ def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[st
         config["run_id"] = launch.run_id
     if opts.index:
         config.setdefault("checkpoint_id", index_metadata(opts.index)["checkpoint_id"])
+        _hand_index(config, opts.index)
     elif opts.checkpoint:
         ckpt = open_checkpoint(opts.checkpoint)
         config.setdefault("checkpoint_id", ckpt.identity)

@@ -246,3 +246,36 @@ def test_audit_usage_errors_are_one_line(args, needle):
     r = CliRunner().invoke(main, ["audit", *args])
     assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_audit_launch_hands_its_index_to_the_guard(small_index, tmp_path, monkeypatch):
+    """`audit --launch --index I --hook-config {"guard": "alert"}`: the hooks get I (the one
+    index of the audit), as a config the tracer accepts; a hook config naming another index
+    is refused in one line before anything is launched."""
+    import moetrace.jobs.audit as audit
+    from moetrace.errors import MoetraceError
+    from moetrace.tracer.config import TraceConfig
+
+    handed = []
+
+    def launch_and_drive(cmd, config, *args, **kw):
+        handed.append(dict(config))
+        raise MoetraceError("launched")  # stop here: what matters is the config the server gets
+
+    monkeypatch.setattr(audit, "launch_and_drive", launch_and_drive)
+    guard = tmp_path / "guard.json"
+    guard.write_text('{"guard": "alert"}')
+    args = ["audit", "--launch", f"touch {tmp_path / 'started'}", "--index", small_index, "--out", tmp_path / "t",
+            "--hook-config", guard]
+    one_line_error(cli(*args), "launched")
+    (config,) = handed
+    assert config["index"] == os.path.abspath(small_index) and config["guard"] == "alert"
+    cfg = TraceConfig.from_dict(config)
+    assert cfg.guard == "alert" and cfg.index == os.path.abspath(small_index)
+    # without anything that verifies in the server, the hooks are left as configured
+    guard.write_text('{"layers": "0"}')
+    one_line_error(cli(*args), "launched")
+    assert "index" not in handed[-1]
+    guard.write_text(json.dumps({"guard": "alert", "index": str(tmp_path / "other.parquet")}))
+    one_line_error(cli(*args), "--hook-config names index", "one index per audit")
+    assert len(handed) == 2 and not (tmp_path / "started").exists()
