@@ -22,7 +22,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from moetrace import fingerprint as fpdef
 from moetrace import storage
 from moetrace.errors import MoetraceError
 from moetrace.schema import INDEX_SCHEMA_VERSION
@@ -65,6 +64,8 @@ def _checked_metadata(path, pf: pq.ParquetFile) -> dict:
     if found != INDEX_SCHEMA_VERSION:
         raise MoetraceError(f"index {path}: index schema version {found}, this moetrace reads version "
                             f"{INDEX_SCHEMA_VERSION}; rebuild it with `moetrace index`")
+    from moetrace import fingerprint as fpdef  # here, not at the top: reading an index needs no tensors
+
     if meta.get("fp_version") != fpdef.FP_VERSION:
         raise MoetraceError(f"index {path}: fingerprint version {meta.get('fp_version')}, this moetrace computes "
                             f"version {fpdef.FP_VERSION}; rebuild it with `moetrace index`")
