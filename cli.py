@@ -618,13 +618,13 @@ def selftest_cmd(device, quick, only, workdir, as_json):
 
     from moetrace.jobs import selftest as st
 
-    code, proofs = st.run_selftest(device, quick, workdir, tuple(only) or ("fingerprint", "detector", "throughput"))
+    # each part's line as it ends, the verdict last
+    on_proof = None if as_json else (lambda p: click.echo(p.line()))
+    code, proofs = st.run_selftest(device, quick, workdir, tuple(only) or st.PARTS, on_proof=on_proof,
+                                   progress=_progress(as_json))
     if as_json:
         click.echo(json.dumps(st.as_json(code, proofs, device), indent=2))
     else:
-        for p in proofs:
-            mark = {True: "PASS", False: "FAIL", None: "SKIP"}[p.ok]
-            click.echo(f"[{mark}] {p.name:12s} {p.detail} ({p.seconds:.1f} s)")
         click.echo(st.verdict_line(code, proofs, device))
     sys.exit(code)
 

@@ -29,6 +29,7 @@ class Progress:
             enabled = bool(isatty and isatty())
         self.enabled = enabled
         self._lock = threading.Lock()
+        self._stack: list[Live] = []
 
     @classmethod
     def off(cls) -> "Progress":
@@ -51,30 +52,32 @@ class Progress:
         if not self.enabled:
             yield live
             return
+        # A step inside a step (the selftest's detector runs the demo's steps) shows on
+        # the same line, after its parent's label; one thread redraws it.
+        outer = not self._stack
+        self._stack.append(live)
         stop = threading.Event()
+        thread = None
+        if outer:
+            def tick():
+                while not stop.wait(TICK_S):
+                    self._draw(self._line())
 
-        def tick():
-            while not stop.wait(TICK_S):
-                self._draw(live.line())
-
-        self._draw(live.line())
-        thread = threading.Thread(target=tick, name="moetrace-progress", daemon=True)
-        thread.start()
+            thread = threading.Thread(target=tick, name="moetrace-progress", daemon=True)
+            thread.start()
+        self._draw(self._line())
         try:
             yield live
         finally:
-            stop.set()
-            thread.join()
-            self._draw(None)
+            self._stack.remove(live)
+            if thread is not None:
+                stop.set()
+                thread.join()
+            self._draw(self._line() if self._stack else None)
 
-    def _draw(self, text: str | None) -> None:
-        with self._lock:
-            try:
-                self.stream.write(CLEAR + (text or ""))
-                self.stream.flush()
-            except (OSError, ValueError):  # a closed terminal never stops the job
-                self.enabled = False
-
+    def _line(self) -> str:
+        stack = list(self._stack)
+        return ": ".join([s.label for s in stack[:-1]] + [stack[-1].line()]) if stack else ""
 
 class Live:
     """What a live line shows: the label, the count of a bar, the seconds so far."""
