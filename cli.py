@@ -466,7 +466,7 @@ def audit_cmd(**kw):
                                base_url=kw["base_url"], hook_config=hook_config, server_flags=kw["server_flags"],
                                replace=kw["replace"], stop_grace_s=kw["stop_grace"])
     progress = (lambda m: None) if opts.as_json else _stderr
-    sys.exit(run_audit(opts, launch, click.echo, progress, warn=_stderr))
+    sys.exit(run_audit(opts, launch, click.echo, progress, warn=_stderr, live=_progress(opts.as_json)))
 
 
 @main.command("diff")

@@ -18,6 +18,7 @@ from moetrace.checkpoints.index import index_metadata
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace import storage
 from moetrace.errors import MoetraceError
+from moetrace.jobs.progress import Progress
 from moetrace.jobs.traffic import Traffic, launch_and_drive
 from moetrace.schema import parse_ids
 
@@ -156,9 +157,11 @@ def exit_code(verdict: int, reports_written: bool) -> int:
 
 
 def run_audit(opts: AnalysisOptions, launch: LaunchOptions | None, echo: Callable[[str], None],
-              progress: Callable[[str], None], warn: Callable[[str], None] | None = None) -> int:
+              progress: Callable[[str], None], warn: Callable[[str], None] | None = None,
+              live: Progress | None = None) -> int:
     """The audit's exit code (exit_code): 0 pass, 1 divergence found, 2 incomplete or
-    unusable (raised as MoetraceError), 3 pass but a report file was not written."""
+    unusable (raised as MoetraceError), 3 pass but a report file was not written.
+    ``live``: live lines while the server starts and each request runs (audit --launch)."""
     warn = warn or progress
     traffic_problem, launch_doc = None, None
     if launch is not None:
@@ -167,7 +170,7 @@ def run_audit(opts: AnalysisOptions, launch: LaunchOptions | None, echo: Callabl
         if not (opts.index or opts.checkpoint):
             raise MoetraceError("audit --launch: give --index FILE or --checkpoint CKPT to compare against")
         opts.reports.check()  # before the server starts
-        run_dir, traffic_problem, launch_doc = _launch(launch, opts, progress)
+        run_dir, traffic_problem, launch_doc = _launch(launch, opts, progress, live)
         opts = AnalysisOptions(**{**opts.__dict__, "trace": (run_dir,)})
     elif not opts.trace:
         raise MoetraceError("audit: give a TRACE folder (OUT/<run_id>) or --launch CMD")
@@ -214,7 +217,8 @@ def _hand_index(config: dict, index: str) -> None:
         config["index"] = path
 
 
-def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[str], None]) -> tuple[str, str | None, dict]:
+def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[str], None],
+            live: Progress | None = None) -> tuple[str, str | None, dict]:
     """Run the server under the launcher and drive its traffic; returns (run folder,
     traffic problem or None, the launch facts for the JSON report)."""
     config = dict(launch.hook_config, out=launch.out)
@@ -231,7 +235,7 @@ def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[st
         parse_ids(config.get("experts"), "--hook-config experts", bound=ckpt.spec.num_experts + ckpt.spec.shared_experts)
     try:
         run_dir, server_code, res = launch_and_drive(launch.command, config, launch.traffic, launch.base_url,
-                                                     echo=progress, server_flags=launch.server_flags,
+                                                     echo=progress, live=live, server_flags=launch.server_flags,
                                                      replace=launch.replace, stop_grace_s=launch.stop_grace_s)
     except MoetraceError as err:
         for line in opts.reports.write_unusable(f"audit --launch: {err}"):

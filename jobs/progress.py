@@ -79,6 +79,16 @@ class Progress:
         stack = list(self._stack)
         return ": ".join([s.label for s in stack[:-1]] + [stack[-1].line()]) if stack else ""
 
+    def _draw(self, text: str | None) -> None:
+        with self._lock:
+            if not self.enabled:
+                return
+            try:
+                self.stream.write(CLEAR + (text or ""))
+                self.stream.flush()
+            except (OSError, ValueError):  # a closed terminal never stops the job
+                self.enabled = False
+
 class Live:
     """What a live line shows: the label, the count of a bar, the seconds so far."""
 
