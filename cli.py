@@ -559,7 +559,7 @@ def demo_cmd(workdir, device, quick, transport, as_json):
 @click.option("--op-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
               help="Seconds any staging wait may take before the server fails with a clear error.")
 @click.option("--ready-file", default=None, type=click.Path(dir_okay=False, path_type=str),
-              help='Write {"url", "port", "pid", "rank_pids", "shm_prefix"} here once listening.')
+              help='Write {"url", "port", "pid", "rank_pids", "shm_prefix", "tp", "fence"} here once listening.')
 @click.option("--disable-cuda-graph", "--disable-prefill-cuda-graph", "--disable-decode-cuda-graph",
               "cuda_graph_flags", is_flag=True, hidden=True, help="Accepted for SGLang compatibility; no effect.")
 def serve_cmd(checkpoint, model_path, tp, fence, slow_rank, host, port, chunk_tokens, prefill_threshold,
@@ -598,7 +598,7 @@ def serve_cmd(checkpoint, model_path, tp, fence, slow_rank, host, port, chunk_to
 @main.command("selftest")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Device whose fingerprint path, staging transport and throughput are proven.")
-@click.option("--quick", is_flag=True, help="Smaller sizes: under 3 minutes on a CPU box, 5 on a GPU box.")
+@click.option("--quick", is_flag=True, help="Smaller sizes: the quick demo pair (8 experts), 32 MiB throughput buffers.")
 @click.option("--only", type=click.Choice(["fingerprint", "detector", "throughput"]), multiple=True,
               help="Run only these parts (repeatable; default all).")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,

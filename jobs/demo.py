@@ -211,6 +211,8 @@ def run_demo(workdir: str | Path, device: str = "cpu", quick: bool = False, tran
 
 def _run_demo(workdir: Path, device: str, quick: bool, transport: str, progress: Progress, no_plot: str | None,
               t0: float) -> dict:
+    from moetrace.analysis.render import grouped_summaries
+
     pair = run_pair(workdir, QUICK if quick else FULL, device, transport=transport, progress=progress)
     summary = {"workdir": str(workdir), "checkpoint": str(pair["checkpoint"]), "index": str(pair["index"]),
                "logs": str(pair["logs"]), "transport": pair["transport"], "staged_by": pair["staged_by"],
@@ -226,7 +228,8 @@ def _run_demo(workdir: Path, device: str, quick: bool, transport: str, progress:
             "audit_exit_code": rep.exit_code,
             "totals": doc["totals"]["sentence"],
             "first_divergence": [f["sentence"] for f in doc["first_divergence"]],
-            "summaries": [s["sentence"] for s in doc["summaries"]],
+            # as analyze prints them: loads that differ only in step folded into one line
+            "summaries": [g["sentence"] for g in grouped_summaries(doc)],
             "token0_max_abs_logit_delta_vs_reference": run["token0_max_abs_delta"],
             "tokens_equal_reference": run["tokens_equal_reference"],
             "guard": run["guard"],
@@ -251,7 +254,7 @@ def print_demo(summary: dict, echo: Callable[[str], None] = print) -> None:
     for s in unf["summaries"][:4]:
         echo(f"  {s}")
     if len(unf["summaries"]) > 4:
-        echo(f"  ... {len(unf['summaries']) - 4} more loads like these")
+        echo(f"  ... {len(unf['summaries']) - 4} more lines like these")
     echo(f"  {unf['totals']}")
     echo(f"  in-server guard: {unf['guard_sentence']}")
     echo(f"  token 0 vs reference: max |logit delta| {unf['token0_max_abs_logit_delta_vs_reference']:.3g}"
