@@ -5,7 +5,6 @@ Judged by the modules a run loaded, in a fresh process, never by time."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -67,10 +66,11 @@ def test_hook_spec_with_an_index_reads_it_without_torch(small_index, tmp_path):
     _torch_free(_run("hook-spec", "--out", tmp_path / "traces", "--index", small_index, "--guard", "alert"))
 
 
-def test_index_from_the_cache_does_not_import_torch(small_model, tmp_path):
-    env = dict(os.environ, MOETRACE_CACHE=str(tmp_path / "cache"))  # empty: the first run builds
-    first = _run("index", small_model.path, "--tp", "2", "-o", tmp_path / "a.parquet", "--json", env=env)
-    assert first["torch"]  # the control: building an index reads and fingerprints tensors
-    out = _run("index", small_model.path, "--tp", "2", "-o", tmp_path / "b.parquet", env=env)
+def test_index_from_the_cache_does_not_import_torch(small_model, tmp_path, monkeypatch):
+    from moetrace.checkpoints.index_build import make_index
+
+    monkeypatch.setenv("MOETRACE_CACHE", str(tmp_path / "cache"))  # a cache of this test's own
+    assert not make_index(small_model.path, tmp_path / "a.parquet", 2)["reused_cache"]  # built here: the cache holds it
+    out = _run("index", small_model.path, "--tp", "2", "-o", tmp_path / "b.parquet")
     assert (tmp_path / "b.parquet").read_bytes() == (tmp_path / "a.parquet").read_bytes()
     _torch_free(out)
