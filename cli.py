@@ -465,8 +465,9 @@ def audit_cmd(**kw):
         launch = LaunchOptions(command=kw["launch_cmd"], out=kw["out"], run_id=kw["run_id"], traffic=traffic,
                                base_url=kw["base_url"], hook_config=hook_config, server_flags=kw["server_flags"],
                                replace=kw["replace"], stop_grace_s=kw["stop_grace"])
-    progress = (lambda m: None) if opts.as_json else _stderr
-    sys.exit(run_audit(opts, launch, click.echo, progress, warn=_stderr, live=_progress(opts.as_json)))
+    live = _progress(opts.as_json)
+    progress = (lambda m: None) if opts.as_json else (lambda m: live.above(m, _stderr))
+    sys.exit(run_audit(opts, launch, click.echo, progress, warn=_stderr, live=live))
 
 
 @main.command("diff")
@@ -663,7 +664,10 @@ def conform_cmd(fork_path, fmt, tp, experts, schedule, patch_fence, writer, work
     from moetrace.jobs.conform import Case, conform_main
 
     case = Case(fmt, schedule, patch_fence, writer, experts, fork_path)
-    sys.exit(conform_main(case, tp, workdir, json_out, echo=click.echo))
+    live = _progress(False)
+    with live.step(f"conform: the fork's staging code in {tp} TP ranks, then the analysis"):
+        code = conform_main(case, tp, workdir, json_out, echo=lambda m: live.above(m, click.echo))
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import contextlib
 import sys
 import threading
 import time
-from typing import Iterator, TextIO
+from typing import Callable, Iterator, TextIO
 
 TICK_S = 0.5  # how often a live line is redrawn
 CLEAR = "\r\x1b[K"  # back to the start of the line, erase it
@@ -74,6 +74,16 @@ class Progress:
                 stop.set()
                 thread.join()
             self._draw(self._line() if self._stack else None)
+
+    def above(self, message: str, echo: Callable[[str], None]) -> None:
+        """Print a line of the command's own (``echo``) above the live line: the live line
+        is cleared first and drawn again after, so the two never share a row."""
+        if not self.enabled or not self._stack:
+            echo(message)
+            return
+        self._draw(None)
+        echo(message)
+        self._draw(self._line())
 
     def _line(self) -> str:
         stack = list(self._stack)

@@ -41,6 +41,16 @@ def test_live_lines_only_on_a_terminal(monkeypatch):
     assert quiet.getvalue() == ""
 
 
+def test_a_line_of_the_command_never_shares_a_row_with_the_live_line():
+    tty = Terminal()
+    prog = Progress(stream=tty)
+    with prog.step("running"):
+        prog.above("moetrace: server healthy", lambda m: tty.write(m + "\n"))
+    out = tty.getvalue()
+    # cleared before the line, drawn again after it
+    assert f"{P.CLEAR}moetrace: server healthy\n{P.CLEAR}running ... 0 s" in out
+
+
 def test_audit_traffic_shows_a_bar_over_its_requests(monkeypatch):
     monkeypatch.setattr(P, "TICK_S", 0.01)
 
