@@ -383,7 +383,8 @@ def analyze_cmd(**kw):
     """
     from moetrace.jobs.audit import EXIT_PASS, exit_code, run_analysis
 
-    _, written = run_analysis("analyze", _analysis_opts(kw), click.echo, warn=_stderr)
+    opts = _analysis_opts(kw)
+    _, written = run_analysis("analyze", opts, click.echo, warn=_stderr, live=_progress(opts.as_json))
     sys.exit(exit_code(EXIT_PASS, written))
 
 

@@ -124,7 +124,8 @@ class LaunchOptions:
 
 
 def run_analysis(command: str, opts: AnalysisOptions, echo: Callable[[str], None],
-                 extra_doc: dict | None = None, warn: Callable[[str], None] | None = None) -> tuple[Report, bool]:
+                 extra_doc: dict | None = None, warn: Callable[[str], None] | None = None,
+                 live: Progress | None = None) -> tuple[Report, bool]:
     """Analyze, print the text (or JSON) report, then write the report files.
     Returns (report, every report file written). The verdict is printed before any
     file is written, so a report that cannot be written never hides it; `warn` gets
@@ -132,7 +133,8 @@ def run_analysis(command: str, opts: AnalysisOptions, echo: Callable[[str], None
     warn = warn or echo
     opts.reports.check()
     try:
-        rep = analyze(list(opts.trace), index=opts.index, checkpoint=opts.checkpoint, max_rows=opts.max_rows)
+        with (live or Progress.off()).step(f"{command}: reading the trace and judging every tensor"):
+            rep = analyze(list(opts.trace), index=opts.index, checkpoint=opts.checkpoint, max_rows=opts.max_rows)
     except MoetraceError as err:
         if command == "audit":
             for line in opts.reports.write_unusable(str(err)):
@@ -175,7 +177,7 @@ def run_audit(opts: AnalysisOptions, launch: LaunchOptions | None, echo: Callabl
     elif not opts.trace:
         raise MoetraceError("audit: give a TRACE folder (OUT/<run_id>) or --launch CMD")
     try:
-        rep, written = run_analysis("audit", opts, echo, extra_doc=launch_doc, warn=warn)
+        rep, written = run_analysis("audit", opts, echo, extra_doc=launch_doc, warn=warn, live=live)
     except MoetraceError as err:
         if traffic_problem:  # say why first: the empty trace is only the consequence
             msg = f"audit --launch: {traffic_problem}; then: {err}"
