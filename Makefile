@@ -3,6 +3,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# --no-warn-conflicts: SGLang and the fork are installed without their GPU dependencies on
+# purpose; pip's resolver would list each missing one as an ERROR after every install.
+INSTALL := $(PIP) install -q --no-warn-conflicts
 SGLANG_VERSION ?= 0.5.23
 SGLANG_KT_VERSION ?= 0.7.2
 KT_KERNEL_VERSION ?= 0.7.2
@@ -12,24 +15,27 @@ KT_SIDE := $(VENV)/kt-side
 
 .PHONY: demo test venv clean
 
+# CPU torch only when none is present: never replace a user's torch. SGLang without its
+# GPU dependencies: tests run its own hook manager. The fork and kt-kernel without
+# dependencies (kt-kernel pins torch 2.9.1), and gguf, the one package kt-kernel needs
+# to import its wrapper. Quiet: one line, then only what goes wrong.
 $(VENV)/.installed: pyproject.toml Makefile
-	test -x $(PY) || python3 -m venv $(VENV)
-	# CPU torch only when none is present: never replace a user's torch.
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
-	# SGLang without its GPU dependencies: tests run its own hook manager.
-	$(PIP) install -q --no-deps sglang==$(SGLANG_VERSION)
-	# The fork and kt-kernel without dependencies (kt-kernel pins torch 2.9.1), and
-	# gguf, the one package kt-kernel needs to import its wrapper.
-	rm -rf $(KT_SIDE)
-	$(PIP) install -q --no-deps --target $(KT_SIDE) sglang-kt==$(SGLANG_KT_VERSION) kt-kernel==$(KT_KERNEL_VERSION)
-	$(PIP) install -q gguf
-	touch $@
+	@echo "moetrace: installing into $(VENV) (moetrace, SGLang $(SGLANG_VERSION), sglang-kt $(SGLANG_KT_VERSION) and kt-kernel $(KT_KERNEL_VERSION) in $(KT_SIDE))"
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	@$(INSTALL) -e '.[test]'
+	@$(INSTALL) --no-deps sglang==$(SGLANG_VERSION)
+	@rm -rf $(KT_SIDE)
+	@$(INSTALL) --no-deps --target $(KT_SIDE) sglang-kt==$(SGLANG_KT_VERSION) kt-kernel==$(KT_KERNEL_VERSION)
+	@$(INSTALL) gguf
+	@touch $@
 
 venv: $(VENV)/.installed
 
+# Prints the per-run summaries, where the reports are, and the verdict last (the ranks'
+# own output goes to demo-out/logs/).
 demo: $(VENV)/.installed
-	$(VENV)/bin/moetrace demo
+	@$(VENV)/bin/moetrace demo
 
 # MOETRACE_REQUIRE_FORK: the tests that run the fork's code fail (not skip) without it.
 test: $(VENV)/.installed

@@ -128,6 +128,13 @@ def _output_files(pairs: list[tuple[str, str | None]]) -> None:
         storage.probe_output(path, option)
 
 
+def _progress(as_json: bool):
+    """Live progress lines on stderr: on a terminal only, never with --json."""
+    from moetrace.jobs.progress import Progress
+
+    return Progress.off() if as_json else Progress(stream=sys.stderr)
+
+
 # Commands register themselves below, one section per area of the data flow.
 # ---- checkpoints: make-checkpoint ------------------------------------------
 @main.command("make-checkpoint")
@@ -468,7 +475,8 @@ def analyze_cmd(**kw):
     """
     from moetrace.jobs.audit import EXIT_PASS, exit_code, run_analysis
 
-    _, written = run_analysis("analyze", _analysis_opts(kw), click.echo, warn=_stderr)
+    opts = _analysis_opts(kw)
+    _, written = run_analysis("analyze", opts, click.echo, warn=_stderr, live=_progress(opts.as_json))
     sys.exit(exit_code(EXIT_PASS, written))
 
 
@@ -555,8 +563,9 @@ def audit_cmd(**kw):
         launch = LaunchOptions(command=kw["launch_cmd"], out=kw["out"], run_id=kw["run_id"], traffic=traffic,
                                base_url=kw["base_url"], hook_config=hook_config, server_flags=kw["server_flags"],
                                replace=kw["replace"], stop_grace_s=kw["stop_grace"])
-    progress = (lambda m: None) if opts.as_json else _stderr
-    sys.exit(run_audit(opts, launch, click.echo, progress, warn=_stderr))
+    live = _progress(opts.as_json)
+    progress = (lambda m: None) if opts.as_json else (lambda m: live.above(m, _stderr))
+    sys.exit(run_audit(opts, launch, click.echo, progress, warn=_stderr, live=live))
 
 
 @main.command("diff")
@@ -594,12 +603,14 @@ def diff_cmd(run_a, run_b, index_path, checkpoint, as_json, max_lines):
                    "or the emulator's.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary instead of text.")
 def demo_cmd(workdir, device, quick, transport, as_json):
-    """Find the FP8 staging race and validate its fix, end to end, in a minute.
+    """Find the FP8 staging race and validate its fix, end to end, on this machine.
 
     Generates a small Qwen3.5-style FP8 checkpoint, builds the index, runs the
     emulated TP2 KT staging server unfenced and fenced on the same requests with
-    moetrace's hooks, analyzes both and writes reports and plots. Exit 0 when the
-    race is found unfenced and the fenced run passes.
+    moetrace's hooks, analyzes both and writes reports and plots (plots skipped,
+    said once, without matplotlib). Each run starts afresh: the work folder's
+    earlier checkpoint, index, traces, reports and rank logs are replaced. Exit 0
+    when the race is found unfenced and the fenced run passes.
 
     \b
     Example:
@@ -609,12 +620,11 @@ def demo_cmd(workdir, device, quick, transport, as_json):
 
     _cuda_or_refuse(device)
     _writable_dir(workdir, "--workdir")
-    echo = (lambda s: None) if as_json else (lambda s: click.echo(s))
-    summary = demo.run_demo(workdir, device=device, quick=quick, echo=echo, transport=transport)
+    summary = demo.run_demo(workdir, device=device, quick=quick, transport=transport, progress=_progress(as_json))
     if as_json:
         click.echo(demo.to_json(summary))
     else:
-        demo.print_demo(summary, echo)
+        demo.print_demo(summary, click.echo)
     sys.exit(0 if summary["race_found"] and summary["fix_validated"] else 1)
 
 
@@ -653,7 +663,7 @@ def _cuda_or_refuse(device: str) -> None:
 @click.option("--op-timeout", type=Seconds(0.1), default=30.0, show_default=True,
               help="Seconds any staging wait may take before the server fails with a clear error.")
 @click.option("--ready-file", default=None, type=click.Path(dir_okay=False, path_type=str),
-              help='Write {"url", "port", "pid", "rank_pids", "shm_prefix"} here once listening.')
+              help='Write {"url", "port", "pid", "rank_pids", "shm_prefix", "tp", "fence"} here once listening.')
 @click.option("--disable-cuda-graph", "--disable-prefill-cuda-graph", "--disable-decode-cuda-graph",
               "cuda_graph_flags", is_flag=True, hidden=True, help="Accepted for SGLang compatibility; no effect.")
 def serve_cmd(checkpoint, model_path, tp, fence, slow_rank, host, port, chunk_tokens, prefill_threshold,
@@ -694,7 +704,7 @@ def serve_cmd(checkpoint, model_path, tp, fence, slow_rank, host, port, chunk_to
 @main.command("selftest")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Device whose fingerprint path, staging transport and throughput are proven.")
-@click.option("--quick", is_flag=True, help="Smaller sizes: under 3 minutes on a CPU box, 5 on a GPU box.")
+@click.option("--quick", is_flag=True, help="Smaller sizes: the quick demo pair (8 experts), 32 MiB throughput buffers.")
 @click.option("--only", type=click.Choice(["fingerprint", "detector", "throughput"]), multiple=True,
               help="Run only these parts (repeatable; default all).")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
@@ -715,13 +725,13 @@ def selftest_cmd(device, quick, only, workdir, as_json):
     from moetrace.jobs import selftest as st
 
     _writable_dir(workdir, "--workdir")
-    code, proofs = st.run_selftest(device, quick, workdir, tuple(only) or ("fingerprint", "detector", "throughput"))
+    # each part's line as it ends, the verdict last
+    on_proof = None if as_json else (lambda p: click.echo(p.line()))
+    code, proofs = st.run_selftest(device, quick, workdir, tuple(only) or st.PARTS, on_proof=on_proof,
+                                   progress=_progress(as_json))
     if as_json:
         click.echo(json.dumps(st.as_json(code, proofs, device), indent=2))
     else:
-        for p in proofs:
-            mark = {True: "PASS", False: "FAIL", None: "SKIP"}[p.ok]
-            click.echo(f"[{mark}] {p.name:12s} {p.detail} ({p.seconds:.1f} s)")
         click.echo(st.verdict_line(code, proofs, device))
     sys.exit(code)
 
@@ -762,7 +772,10 @@ def conform_cmd(fork_path, fmt, tp, experts, schedule, patch_fence, writer, work
     _writable_dir(workdir, "--workdir")
     _output_files([("--json-out", json_out)])
     case = Case(fmt, schedule, patch_fence, writer, experts, fork_path)
-    sys.exit(conform_main(case, tp, workdir, json_out, echo=click.echo))
+    live = _progress(False)
+    with live.step(f"conform: the fork's staging code in {tp} TP ranks, then the analysis"):
+        code = conform_main(case, tp, workdir, json_out, echo=lambda m: live.above(m, click.echo))
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,17 @@ def _stale_color(k: int, kmax: int):
 
 
 FORMATS = ("png", "svg", "pdf")
+NO_MATPLOTLIB = "matplotlib is not installed here (pip install matplotlib)"
+
+
+def missing_plotter() -> str | None:
+    """Why no plot can be drawn here (matplotlib missing), or None: asked before a run
+    starts, so a run never ends without its verdict for want of a plotting library."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return NO_MATPLOTLIB
+    return None
 
 
 def plot_format(path) -> str:
@@ -53,6 +64,31 @@ def plot_format(path) -> str:
     if ext not in FORMATS:
         raise MoetraceError(f"--plot {path}: expected a file name ending in .png, .svg or .pdf")
     return ext
+
+
+def _pyplot(path: str):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MoetraceError(f"--plot {path}: {NO_MATPLOTLIB}") from None
+    return plt
+
+
+def _save(plt, fig, path: str, fmt: str) -> None:
+    try:
+        # complete or not at all: a full disk never leaves half a picture
+        storage.write_local(path, "--plot", lambda tmp: fig.savefig(tmp, format=fmt, dpi=110), wrap=False)
+    except MoetraceError:
+        raise
+    except Exception as err:  # matplotlib or the filesystem (e.g. an unwritable folder): one line, naming the path
+        why = " ".join(str(err).split())
+        raise MoetraceError(f"--plot {path}: cannot write the plot: {type(err).__name__}"
+                            + (f": {why}" if why else "")) from None
+    finally:
+        plt.close(fig)
 
 
 def plot(rep: Report, path: str, run: int | str = 0) -> str:
@@ -66,36 +102,38 @@ def plot(rep: Report, path: str, run: int | str = 0) -> str:
     """
     path = os.fspath(path)
     fmt = plot_format(path)
-    try:
-        import matplotlib
+    plt = _pyplot(path)
+    from matplotlib.colors import to_rgba
+    from matplotlib.patches import Patch
 
-        matplotlib.use("Agg", force=True)
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import to_rgba
-        from matplotlib.patches import Patch
-    except ImportError:
-        raise MoetraceError("--plot needs matplotlib: pip install 'moetrace[plot]'") from None
     g = rep.grid
     if g is None or not g.runs:
         raise MoetraceError(f"--plot {path}: nothing to plot, the trace has no runs")
     if isinstance(run, str) and run not in g.runs:
         raise MoetraceError(f"--plot {path}: no run {run!r} in the report (runs: {', '.join(g.runs)})")
     ri = g.runs.index(run) if isinstance(run, str) else int(run)
-    fig = None
+    fig = plt.figure(layout="constrained")
     try:
-        fig = plt.figure(layout="constrained")
         _draw(fig, to_rgba, Patch, rep, g, ri)
-        # complete or not at all: a full disk never leaves half a picture
-        storage.write_local(path, "--plot", lambda tmp: fig.savefig(tmp, format=fmt, dpi=110), wrap=False)
-    except MoetraceError:
-        raise
-    except Exception as err:  # matplotlib or the filesystem (e.g. an unwritable folder): one line, naming the path
+    except Exception as err:
+        plt.close(fig)
         why = " ".join(str(err).split())
-        raise MoetraceError(f"--plot {path}: cannot write the plot: {type(err).__name__}"
+        raise MoetraceError(f"--plot {path}: cannot draw the plot: {type(err).__name__}"
                             + (f": {why}" if why else "")) from None
-    finally:
-        if fig is not None:
-            plt.close(fig)
+    _save(plt, fig, path, fmt)
+    return path
+
+
+def plot_unusable(message: str, path: str) -> str:
+    """The picture of a run with no verdict (an unusable trace): the reason, in words, so
+    that no earlier run's grid is left at ``path``."""
+    path = os.fspath(path)
+    fmt = plot_format(path)
+    plt = _pyplot(path)
+    fig = plt.figure(figsize=(8, 2.5))
+    fig.text(0.02, 0.9, "moetrace audit: UNUSABLE (exit 2), no verdict", fontsize=12, fontweight="bold", va="top")
+    fig.text(0.02, 0.7, _wrap(message, 100), fontsize=9, va="top")
+    _save(plt, fig, path, fmt)
     return path
 
 

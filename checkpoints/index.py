@@ -23,7 +23,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from moetrace import fingerprint as fpdef
 from moetrace import storage
 from moetrace.checkpoints import index_checks
 from moetrace.errors import MoetraceError
@@ -66,6 +65,8 @@ def _checked_metadata(path, pf: pq.ParquetFile) -> dict:
     if not isinstance(meta, dict):
         raise MoetraceError(f"index {path}: its metadata is a JSON {type(meta).__name__}, not an object; "
                             "rebuild it with `moetrace index`")
+    from moetrace import fingerprint as fpdef  # here, not at the top: reading an index needs no tensors
+
     if meta.get("fp_version") != fpdef.FP_VERSION:  # first: digests of two versions are never compared
         raise MoetraceError(f"index {path}: fingerprint version {meta.get('fp_version')}, this moetrace computes "
                             f"version {fpdef.FP_VERSION}; rebuild it with `moetrace index`")

@@ -18,11 +18,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from moetrace import __version__
 from moetrace import fingerprint as fpdef
@@ -31,10 +30,14 @@ from moetrace.checkpoints import index_cache
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
 from moetrace.checkpoints.reader import Checkpoint, draft_checkpoint, open_checkpoint
-from moetrace.checkpoints.shards import Parallel, expected_experts, validate_moe_tp
 from moetrace.checkpoints.spec import MoESpec
 from moetrace.errors import MoetraceError
 from moetrace.schema import INDEX_SCHEMA, INDEX_SCHEMA_VERSION, copy_position, dtype_name, format_ids
+
+if TYPE_CHECKING:  # torch and the shard builder load only when an index is built: a cache hit needs neither
+    import torch
+
+    from moetrace.checkpoints.shards import Parallel
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,8 @@ def _fingerprint_rows(stacked: torch.Tensor, device: str) -> list:
 def _layer_rows(ckpt: Checkpoint, model: str, par: Parallel, layer: int, moe_tp_rank: int, device: str,
                 stats: IndexStats) -> dict[str, list]:
     """Every expert's rows (routed, then the fused shared one) for one (model, layer, moe_tp_rank)."""
+    from moetrace.checkpoints.shards import expected_experts
+
     n_experts = ckpt.spec.num_experts + ckpt.spec.shared_experts
     cols: dict[str, list] = {f.name: [] for f in INDEX_SCHEMA}
     first, block = 0, 1  # one expert first: it tells the bytes per expert
@@ -141,6 +146,10 @@ def build_index(
 
     progress(n) is called with the number of (model, layer, moe_tp_rank) units finished.
     """
+    import torch
+
+    from moetrace.checkpoints.shards import Parallel, validate_moe_tp
+
     stats = stats if stats is not None else IndexStats()
     ckpt = open_checkpoint(checkpoint)
     spec = ckpt.spec

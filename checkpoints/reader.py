@@ -17,15 +17,18 @@ import os
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
 
 from moetrace.checkpoints.extra import DRAFT_PREFIX, draft_spec, shared_expert_count
-from moetrace.checkpoints.safetensors_file import DTYPE_BYTES, TORCH_DTYPES, TensorInfo, host_copy, read_header
+from moetrace.checkpoints.safetensors_file import DTYPE_BYTES, TensorInfo, host_copy, read_header, torch_dtypes
 from moetrace.checkpoints.spec import MoESpec, expert_tensor_name, fused_tensor_name, is_ignored, spec_from_config
 from moetrace.errors import MoetraceError
 from moetrace.schema import format_ids
+
+if TYPE_CHECKING:  # torch loads when tensors are read: headers, identities and specs need none
+    import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -171,8 +174,8 @@ class Checkpoint:
         """
         t = self.check(name)
         simple_rows = rows is None or not (isinstance(rows, tuple) and rows and not isinstance(rows[0], int))
-        if (into is not None and cols is None and simple_rows and t.dtype in TORCH_DTYPES
-                and into.dtype == TORCH_DTYPES[t.dtype] and into.is_contiguous()):
+        if (into is not None and cols is None and simple_rows and t.dtype in torch_dtypes()
+                and into.dtype == torch_dtypes()[t.dtype] and into.is_contiguous()):
             return self._pread_rows(t, None if rows is None else _as_slice(rows, t.shape[0], name, t.file), into)
         out = self._read(t, name, rows, cols, into)
         return out if into is None or out is into else host_copy(out, into)
@@ -186,7 +189,7 @@ class Checkpoint:
                 raise MoetraceError(f"{t.file}: cannot open with safetensors ({err})") from None
         try:
             simple_rows = rows is None or not (isinstance(rows, tuple) and rows and not isinstance(rows[0], int))
-            if simple_rows and t.dtype in TORCH_DTYPES:
+            if simple_rows and t.dtype in torch_dtypes():
                 out = self._pread_rows(t, None if rows is None else _as_slice(rows, t.shape[0], name, t.file))
             elif rows is None:
                 out = handle.get_tensor(name)
@@ -218,7 +221,9 @@ class Checkpoint:
         a, b = (0, shape[0] if shape else 1) if rows is None else (rows.start, rows.stop)
         if shape:
             shape[0] = b - a
-        out = torch.empty(shape, dtype=TORCH_DTYPES[t.dtype]) if into is None else into
+        import torch
+
+        out = torch.empty(shape, dtype=torch_dtypes()[t.dtype]) if into is None else into
         if list(out.shape) != shape:
             raise MoetraceError(f"{t.name} in {t.file.name}: rows [{a}, {b}) are {shape}, the destination is {list(out.shape)}")
         buf = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")

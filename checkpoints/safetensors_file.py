@@ -9,10 +9,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import functools
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from moetrace.errors import MoetraceError
+
+if TYPE_CHECKING:  # torch loads when tensors are read: headers, identities and specs need none
+    import torch
 
 # safetensors itself refuses headers above 100 MB; so do we, before allocating.
 MAX_HEADER_BYTES = 100_000_000
@@ -21,11 +26,18 @@ DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
     "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
 }  # fmt: skip
-TORCH_DTYPES = {
-    "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I16": torch.int16, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "F32": torch.float32,
-    "I64": torch.int64, "F64": torch.float64,
-}  # fmt: skip
+
+
+@functools.cache
+def torch_dtypes() -> dict[str, "torch.dtype"]:
+    """Safetensors dtype code -> the torch dtype it is read as."""
+    import torch
+
+    return {
+        "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+        "I16": torch.int16, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "F32": torch.float32,
+        "I64": torch.int64, "F64": torch.float64,
+    }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,8 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
 def host_copy(src: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tensor:
     """Copy a CPU tensor (any strides) with numpy on its bytes: torch's CPU copy of
     strided uint8/fp8 runs at 1-3 GB/s here, numpy's at 30 (docs/benchmarks.md)."""
+    import torch
+
     if dst is None:
         dst = torch.empty(src.shape, dtype=src.dtype)
     if src.dtype != dst.dtype:  # a cast (bf16 scales held as fp32): small tensors, torch does it
@@ -100,5 +114,7 @@ def host_copy(src: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tenso
 
 def _byte_view(t: torch.Tensor) -> np.ndarray:
     """A numpy uint8 view of t's elements with one extra last axis of itemsize bytes."""
+    import torch
+
     u8 = t.view(torch.uint8) if t.element_size() == 1 else t.unsqueeze(-1).view(torch.uint8)
     return u8.numpy()

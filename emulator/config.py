@@ -74,6 +74,9 @@ class EmulatorConfig:
     shm_prefix: str | None = None  # default: a fresh per-run prefix
     unlink_after_attach: bool = True  # as the fork: names vanish once every rank mapped them
     snapshot_dir: str | None = None  # save ctx.gpu_layer after every staged load (tests)
+    # Each rank's stdout and stderr (kt-kernel's own start-up lines and timings, the hooks'
+    # messages) go to LOG_DIR/rank<r>.log instead of the launcher's terminal (None: inherited).
+    log_dir: str | None = None
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
     model_name: str = "moetrace-emulator"

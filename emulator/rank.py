@@ -298,9 +298,26 @@ def _cleanup(state: RankState) -> None:
             pass
 
 
+def _log_to(log_dir: str, rank: int) -> None:
+    """This process's stdout and stderr, file descriptors included (kt-kernel prints from
+    C++), into LOG_DIR/rank<r>.log."""
+    os.makedirs(log_dir, exist_ok=True)
+    fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def rank_main(rank: int, job: RankJob, status_q, cmd_qs, stop_event) -> None:
     """Entry point of a spawned rank process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
+    if job.cfg.log_dir:
+        _log_to(job.cfg.log_dir, rank)
+    from moetrace.hooks import weight_events
+
+    weight_events.expect_absent("moetrace's emulator")  # no SGLang weight writers here, by design
     torch.set_num_threads(1)
     world = job.cfg.tp
     state = RankState(rank, world, torch.device("cpu"))

@@ -75,6 +75,15 @@ def serve_model(tracer: Tracer, reg: Registration | None) -> str:
     return name
 
 
+def _missing(tracer: Tracer, message: str) -> None:
+    """A condition that holds on every rank alike: recorded in every rank's manifest,
+    said once (by TP rank 0), and not at all where it is expected (the emulator)."""
+    if tracer.tp_rank == 0 and weight_events.absence_expected() is None:
+        tracer.note_once(message)
+    else:
+        tracer.sink.note(message)
+
+
 def make_hook(config: dict | None):
     """``factory(config) -> hook`` for SGLang's ``--forward-hooks``."""
     try:
@@ -93,9 +102,9 @@ def make_hook(config: dict | None):
         log.error("moetrace: cannot start tracing, the server runs untraced: %s", err)
         return None
     if cfg.resident_cache and not weight_events.install():
-        tracer.note_once("SGLang's weight writers were not found: resident weights are fingerprinted on every pass")
+        _missing(tracer, "SGLang's weight writers were not found: resident weights are fingerprinted on every pass")
     if tracer.guard is not None and not weight_events.watch_updates(tracer.guard.weights_updated):
-        tracer.note_once("guard: SGLang's weight-update entry points were not found: a weight update would not be seen")
+        _missing(tracer, "guard: SGLang's weight-update entry points were not found: a weight update would not be seen")
     try:
         model = serve_model(tracer, reg)
     except Exception as err:

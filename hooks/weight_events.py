@@ -34,10 +34,25 @@ _UPDATE_PREFIXES = ("update_weights", "receive_weights", "load_weights", "begin_
 _listeners: list = []  # weakref.WeakMethod / weakref.ref of callables(entry, model_path, ok)
 _depth = threading.local()
 
+# Set by a server that has none of SGLang's writers or update entry points by design
+# (moetrace's emulator): their absence is then recorded in the manifest, not logged.
+_absence_expected: str | None = None
+
 _counter = itertools.count(1)
 _epoch = 0
 _installed = False
 _lock = threading.Lock()
+
+
+def expect_absent(server: str) -> None:
+    """Declare that this process's server has no SGLang weight writers by design."""
+    global _absence_expected
+    _absence_expected = server
+
+
+def absence_expected() -> str | None:
+    """The server that declared expect_absent, or None (a real SGLang server)."""
+    return _absence_expected
 
 
 def bump() -> None:

@@ -5,17 +5,20 @@ hooks and drives traffic (jobs.traffic). The CLI only parses options into these 
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 from moetrace.analysis import render
+from moetrace.analysis.plot import missing_plotter, plot_format, plot_unusable
 from moetrace.analysis.plot import plot as make_plot
-from moetrace.analysis.plot import plot_format
 from moetrace.analysis.report import Report, analyze
 from moetrace.checkpoints.index import index_metadata
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace import storage
 from moetrace.errors import MoetraceError
+from moetrace.jobs.progress import Progress
 from moetrace.jobs.traffic import Traffic, launch_and_drive
 from moetrace.schema import parse_ids
 
@@ -39,46 +42,58 @@ class ReportFiles:
                                     ("--junit", self.junit), ("--plot", self.plot)) if p]
 
     def check(self) -> None:
-        """Before any work: a bad --plot name, or a report path that is a FIFO, a device
-        or a link, is refused in one line (exit 2)."""
+        """Before any work: a bad --plot name, a --plot without matplotlib, or a report
+        path that is a FIFO, a device or a link, is refused in one line (exit 2)."""
         if self.plot:
             plot_format(self.plot)
+            missing = missing_plotter()
+            if missing:
+                raise MoetraceError(f"--plot {self.plot}: {missing}; or drop --plot")
         for option, path in self.options():
             storage.check_output(path, option)
 
     def write_unusable(self, message: str) -> list[str]:
-        """Reports for a trace that could not be analyzed at all; returns the errors of
-        those that could not be written (the one-line error about the trace comes first)."""
-        failed = []
-        for option, path, text in (("--json-out", self.json_out, render.unusable_json),
-                                   ("--markdown", self.markdown, render.unusable_markdown),
-                                   ("--junit", self.junit, render.unusable_junit)):
-            if path:
-                try:
-                    storage.write_local_text(path, option, text(message))
-                except MoetraceError as err:
-                    failed.append(str(err))
-        return failed
+        """Reports for a trace that could not be analyzed at all (the plot: the reason in
+        words); returns the errors of those that could not be written (the one-line error
+        about the trace comes first). All or none, as write()."""
+        return self._write_all([
+            ("--json-out", self.json_out, "json", lambda p: storage.write_local_text(p, "--json-out", render.unusable_json(message))),
+            ("--markdown", self.markdown, "markdown", lambda p: storage.write_local_text(p, "--markdown", render.unusable_markdown(message))),
+            ("--junit", self.junit, "junit", lambda p: storage.write_local_text(p, "--junit", render.unusable_junit(message))),
+            ("--plot", self.plot, "plot", lambda p: plot_unusable(message, p)),
+        ])[1]
 
     def write(self, rep: Report) -> tuple[list[str], list[str]]:
-        """Write every requested report, each whole or not at all; returns ("kind: path"
-        written, one-line errors of those that could not be)."""
+        """Write every requested report; returns ("kind: path" written, one-line errors).
+        All or none: when one cannot be written, those this run wrote are removed again,
+        so no report at those paths (this run's or an earlier run's) survives to be taken
+        for this run's verdict."""
+        return self._write_all([
+            ("--json-out", self.json_out, "json", lambda p: storage.write_local_text(p, "--json-out", render.to_json(rep))),
+            ("--markdown", self.markdown, "markdown", lambda p: storage.write_local_text(p, "--markdown", render.to_markdown(rep))),
+            ("--junit", self.junit, "junit", lambda p: storage.write_local_text(p, "--junit", render.to_junit(rep))),
+            ("--plot", self.plot, "plot", lambda p: make_plot(rep, p)),
+        ])
+
+    @staticmethod
+    def _write_all(items) -> tuple[list[str], list[str]]:
+        items = [(o, p, k, w) for o, p, k, w in items if p]
         written, failed = [], []
-        for option, path, kind, text in (("--json-out", self.json_out, "json", render.to_json),
-                                         ("--markdown", self.markdown, "markdown", render.to_markdown),
-                                         ("--junit", self.junit, "junit", render.to_junit)):
-            if path:
-                try:
-                    storage.write_local_text(path, option, text(rep))
-                    written.append(f"{kind}: {path}")
-                except MoetraceError as err:
-                    failed.append(str(err))
-        if self.plot:
+        for _, path, kind, write in items:
             try:
-                make_plot(rep, self.plot)
-                written.append(f"plot: {self.plot}")
+                write(path)  # each file whole or not at all (a temp file renamed over the path)
+                written.append(f"{kind}: {path}")
             except MoetraceError as err:
                 failed.append(str(err))
+        if failed:
+            for option, path, _, _ in items:
+                local = storage.local_path(path)
+                if local is not None and os.path.isfile(local) and not os.path.islink(local):
+                    with contextlib.suppress(OSError):
+                        os.unlink(local)
+            failed.append("no report written: " + ", ".join(f"{o} {p}" for o, p, _, _ in items)
+                          + " left absent, so that none is taken for this run's")
+            written = []
         return written, failed
 
 
@@ -109,7 +124,8 @@ class LaunchOptions:
 
 
 def run_analysis(command: str, opts: AnalysisOptions, echo: Callable[[str], None],
-                 extra_doc: dict | None = None, warn: Callable[[str], None] | None = None) -> tuple[Report, bool]:
+                 extra_doc: dict | None = None, warn: Callable[[str], None] | None = None,
+                 live: Progress | None = None) -> tuple[Report, bool]:
     """Analyze, print the text (or JSON) report, then write the report files.
     Returns (report, every report file written). The verdict is printed before any
     file is written, so a report that cannot be written never hides it; `warn` gets
@@ -117,7 +133,8 @@ def run_analysis(command: str, opts: AnalysisOptions, echo: Callable[[str], None
     warn = warn or echo
     opts.reports.check()
     try:
-        rep = analyze(list(opts.trace), index=opts.index, checkpoint=opts.checkpoint, max_rows=opts.max_rows)
+        with (live or Progress.off()).step(f"{command}: reading the trace and judging every tensor"):
+            rep = analyze(list(opts.trace), index=opts.index, checkpoint=opts.checkpoint, max_rows=opts.max_rows)
     except MoetraceError as err:
         if command == "audit":
             for line in opts.reports.write_unusable(str(err)):
@@ -142,9 +159,11 @@ def exit_code(verdict: int, reports_written: bool) -> int:
 
 
 def run_audit(opts: AnalysisOptions, launch: LaunchOptions | None, echo: Callable[[str], None],
-              progress: Callable[[str], None], warn: Callable[[str], None] | None = None) -> int:
+              progress: Callable[[str], None], warn: Callable[[str], None] | None = None,
+              live: Progress | None = None) -> int:
     """The audit's exit code (exit_code): 0 pass, 1 divergence found, 2 incomplete or
-    unusable (raised as MoetraceError), 3 pass but a report file was not written."""
+    unusable (raised as MoetraceError), 3 pass but a report file was not written.
+    ``live``: live lines while the server starts and each request runs (audit --launch)."""
     warn = warn or progress
     traffic_problem, launch_doc = None, None
     if launch is not None:
@@ -153,12 +172,12 @@ def run_audit(opts: AnalysisOptions, launch: LaunchOptions | None, echo: Callabl
         if not (opts.index or opts.checkpoint):
             raise MoetraceError("audit --launch: give --index FILE or --checkpoint CKPT to compare against")
         opts.reports.check()  # before the server starts
-        run_dir, traffic_problem, launch_doc = _launch(launch, opts, progress)
+        run_dir, traffic_problem, launch_doc = _launch(launch, opts, progress, live)
         opts = AnalysisOptions(**{**opts.__dict__, "trace": (run_dir,)})
     elif not opts.trace:
         raise MoetraceError("audit: give a TRACE folder (OUT/<run_id>) or --launch CMD")
     try:
-        rep, written = run_analysis("audit", opts, echo, extra_doc=launch_doc, warn=warn)
+        rep, written = run_analysis("audit", opts, echo, extra_doc=launch_doc, warn=warn, live=live)
     except MoetraceError as err:
         if traffic_problem:  # say why first: the empty trace is only the consequence
             msg = f"audit --launch: {traffic_problem}; then: {err}"
@@ -177,7 +196,31 @@ def run_audit(opts: AnalysisOptions, launch: LaunchOptions | None, echo: Callabl
     return code
 
 
-def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[str], None]) -> tuple[str, str | None, dict]:
+# hook config keys that verify in the server against an index (tracer.config.TraceConfig)
+_NEEDS_INDEX = (("guard", lambda v: bool(v)), ("chunk_digests", lambda v: v == "mismatch"),
+                ("dump_max_count", lambda v: bool(v)))
+
+
+def _hand_index(config: dict, index: str) -> None:
+    """--index is the one index of the audit: the hooks that verify in the server (the
+    guard, chunk_digests=mismatch, dumps) get it too, unless the hook config names the
+    same file; a different one is refused (two indexes would judge one run twice)."""
+    local = storage.local_path(index)
+    path = os.path.abspath(local) if local is not None else index  # the server may run elsewhere
+    given = config.get("index")
+    if given is not None:
+        given_local = storage.local_path(str(given))
+        same = (os.path.abspath(given_local) == path) if given_local is not None and local is not None else given == index
+        if not same:
+            raise MoetraceError(f"audit --launch: --hook-config names index {given} but --index is {index}: one index "
+                                "per audit; drop the hook config's index (--index reaches the hooks)")
+        return
+    if any(check(config.get(key)) for key, check in _NEEDS_INDEX):
+        config["index"] = path
+
+
+def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[str], None],
+            live: Progress | None = None) -> tuple[str, str | None, dict]:
     """Run the server under the launcher and drive its traffic; returns (run folder,
     traffic problem or None, the launch facts for the JSON report)."""
     config = dict(launch.hook_config, out=launch.out)
@@ -185,6 +228,7 @@ def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[st
         config["run_id"] = launch.run_id
     if opts.index:
         config.setdefault("checkpoint_id", index_metadata(opts.index)["checkpoint_id"])
+        _hand_index(config, opts.index)
     elif opts.checkpoint:
         ckpt = open_checkpoint(opts.checkpoint)
         config.setdefault("checkpoint_id", ckpt.identity)
@@ -193,7 +237,7 @@ def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[st
         parse_ids(config.get("experts"), "--hook-config experts", bound=ckpt.spec.num_experts + ckpt.spec.shared_experts)
     try:
         run_dir, server_code, res = launch_and_drive(launch.command, config, launch.traffic, launch.base_url,
-                                                     echo=progress, server_flags=launch.server_flags,
+                                                     echo=progress, live=live, server_flags=launch.server_flags,
                                                      replace=launch.replace, stop_grace_s=launch.stop_grace_s)
     except MoetraceError as err:
         for line in opts.reports.write_unusable(f"audit --launch: {err}"):

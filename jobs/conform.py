@@ -259,8 +259,6 @@ def result_lines(doc: dict) -> list[str]:
     if c["schedule"] == "none":
         lines.append("note: no injected delay: a match proves nothing (the race depends on timing), "
                      "a divergence is real")
-    word = {0: "PASS: every rank holds its shard, full coverage", 1: "DIVERGENT", 2: "INCOMPLETE"}[doc["exit_code"]]
-    lines.append(f"{word}: {doc['totals']}")
     lines += [f"first divergence: {s}" for s in doc["first_divergence"]]
     if doc.get("guard"):
         from moetrace.jobs.demo import guard_sentence
@@ -274,6 +272,8 @@ def result_lines(doc: dict) -> list[str]:
             if list(got) != list(range(c["experts"])):
                 shown = ", ".join("?" if e is None else str(e) for e in got)
                 lines.append(f"  rank {r} {'/'.join(names)}: experts 0..{c['experts'] - 1} hold [{shown}]")
+    word = {0: "PASS: every rank holds its shard, full coverage", 1: "DIVERGENT", 2: "INCOMPLETE"}[doc["exit_code"]]
+    lines.append(f"{word}: {doc['totals']}")  # the verdict, last
     return lines
 
 

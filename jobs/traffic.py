@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from moetrace.errors import MoetraceError
+from moetrace.jobs.progress import Progress
 
 WORDS = ("expert", "slot", "rank", "layer", "scale", "fence", "copy", "stream", "event", "prefill", "chunk",
          "token", "shard", "weight", "block", "host", "device", "barrier", "writer", "reader")
@@ -122,9 +123,20 @@ def check_port_free(base_url: str) -> dict:
 
 
 def drive(base_url: str, traffic: Traffic, server_alive: Callable[[], bool], echo: Callable[[str], None],
-          listener_is_ours: Callable[[], bool | None] | None = None, port_check: dict | None = None) -> TrafficResult:
+          listener_is_ours: Callable[[], bool | None] | None = None, port_check: dict | None = None,
+          live: Progress | None = None) -> TrafficResult:
     """Wait for health, check the server answering is the one started (its process
-    group holds the listening socket), then send the prompts; never raises."""
+    group holds the listening socket), then send the prompts; never raises. ``live``:
+    a live line while waiting, a bar over the requests."""
+    live = live or Progress.off()
+    with live.step(f"waiting for {base_url}/health"):
+        res = _wait_healthy(base_url, traffic, server_alive)
+    if res.error is not None:
+        return res
+    return _send(base_url, traffic, server_alive, echo, listener_is_ours, port_check, live, res)
+
+
+def _wait_healthy(base_url: str, traffic: Traffic, server_alive: Callable[[], bool]) -> TrafficResult:
     res = TrafficResult()
     t0 = time.monotonic()
     while True:
@@ -142,6 +154,11 @@ def drive(base_url: str, traffic: Traffic, server_alive: Callable[[], bool], ech
             return res
         time.sleep(0.5)
     res.seconds_to_ready = round(time.monotonic() - t0, 2)
+    return res
+
+
+def _send(base_url: str, traffic: Traffic, server_alive: Callable[[], bool], echo: Callable[[str], None],
+          listener_is_ours, port_check: dict | None, live: Progress, res: TrafficResult) -> TrafficResult:
     ours = listener_is_ours() if listener_is_ours is not None else None
     if port_check is not None:
         port_check["listener_verified"] = ours
@@ -153,21 +170,26 @@ def drive(base_url: str, traffic: Traffic, server_alive: Callable[[], bool], ech
         return res
     echo(f"moetrace: server healthy at {base_url} after {res.seconds_to_ready} s; sending "
          f"{traffic.requests} fresh prompts x (1 + {traffic.replays} replays) of ~{traffic.prompt_tokens} words")
-    for i in range(traffic.requests):
-        base = prompt(i, traffic.prompt_tokens)
-        for r in range(traffic.replays + 1):
-            text = base if r == 0 else f"{base} {prompt(1000 + i * 10 + r, 16)}"
-            t = time.monotonic()
-            try:
-                _post(f"{base_url}/v1/completions",
-                      {"prompt": text, "max_tokens": traffic.max_tokens, "temperature": 0}, traffic.request_timeout_s)
-                res.sent += 1
-                res.latencies_s.append(round(time.monotonic() - t, 3))
-            except (urllib.error.URLError, OSError, ValueError) as err:
-                res.failed += 1
-                res.error = f"request {res.sent + res.failed} failed: {err}"
-                if not server_alive():
-                    return res
+    total = traffic.requests * (traffic.replays + 1)
+    with live.bar("requests", total) as bar:
+        for i in range(traffic.requests):
+            base = prompt(i, traffic.prompt_tokens)
+            for r in range(traffic.replays + 1):
+                text = base if r == 0 else f"{base} {prompt(1000 + i * 10 + r, 16)}"
+                bar.relabel(f"requests (now {'a fresh prompt' if r == 0 else f'replay {r}'})")
+                t = time.monotonic()
+                try:
+                    _post(f"{base_url}/v1/completions",
+                          {"prompt": text, "max_tokens": traffic.max_tokens, "temperature": 0},
+                          traffic.request_timeout_s)
+                    res.sent += 1
+                    res.latencies_s.append(round(time.monotonic() - t, 3))
+                except (urllib.error.URLError, OSError, ValueError) as err:
+                    res.failed += 1
+                    res.error = f"request {res.sent + res.failed} failed: {err}"
+                    if not server_alive():
+                        return res
+                bar.advance()
     res.ok = res.failed == 0
     return res
 
@@ -181,7 +203,8 @@ def split_command(command: str) -> list[str]:
 
 
 def launch_and_drive(server_cmd: str | list[str], config: dict, traffic: Traffic, base_url: str | None = None,
-                     echo: Callable[[str], None] = print, **launcher_kwargs) -> tuple[str, int, TrafficResult]:
+                     echo: Callable[[str], None] = print, live: Progress | None = None,
+                     **launcher_kwargs) -> tuple[str, int, TrafficResult]:
     """Run the server under the Launcher, drive traffic from a thread, stop it.
 
     Returns (run folder URL/path, server exit code, traffic result).
@@ -208,7 +231,7 @@ def launch_and_drive(server_cmd: str | list[str], config: dict, traffic: Traffic
         nonlocal result
         try:
             result = drive(url, traffic, lambda: launcher.proc is None or launcher.proc.poll() is None, echo,
-                           listener_is_ours, port_check)
+                           listener_is_ours, port_check, live)
         except Exception as err:  # drive never raises; belt and braces for the thread
             result.error = f"traffic driver crashed: {err}"
         finally:

@@ -137,3 +137,22 @@ def test_the_option_check_reads_what_it_must():
     assert _invocations("moetrace launch --out t -- python -m sglang.launch_server --tp 2") == [("launch", ["--out"])]
     quoted = "moetrace audit --launch 'moetrace serve C --tp 2 --port 1' --prompt-tokens 9"
     assert _invocations(quoted) == [("audit", ["--launch", "--prompt-tokens"]), ("serve", ["--tp", "--port"])]
+
+
+def test_no_doc_installs_moetrace_from_the_package_index():
+    """moetrace is not on the package index: the docs install it from a checkout or a wheel."""
+    from_index = re.compile(r"pip install\s+(-\S+\s+)*['\"]?moetrace(\[[a-z,]+\])?['\"]?(\s|$|`)")
+    found = [f"{p.relative_to(ROOT)}: {line.strip()}" for p in _markdown()
+             for line in p.read_text().splitlines() if from_index.search(line)]
+    assert found == []
+    assert from_index.search("pip install 'moetrace[guard]'") and from_index.search("pip install moetrace  # x")
+    assert not from_index.search("pip install /path/to/moetrace") and not from_index.search("pip install moetrace-0.1.whl")
+
+
+def test_the_documented_report_version_is_the_written_one():
+    from moetrace.schema import REPORT_SCHEMA_VERSION
+
+    text = (ROOT / "docs" / "analysis.md").read_text()
+    documented = re.findall(r'`"moetrace\.analysis"`; `version`: `(\d+)`', text)
+    assert documented == [str(REPORT_SCHEMA_VERSION)]
+    assert f"(`--json`, schema `moetrace.analysis`, version {REPORT_SCHEMA_VERSION})" in text

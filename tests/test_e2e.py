@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -101,8 +102,57 @@ def test_demo_text_output(demo_run):
     demo.print_demo(demo_run.summary, lines.append)
     out = "\n".join(lines) + "\n"
     assert "first divergence: step 0, layer 0, rank 1, expert 0: w2_weight_scale_inv holds expert 2 (E+2)" in out
-    assert "race found unfenced; fix validated fenced" in out
+    assert lines[-1].startswith("race found unfenced; fix validated fenced")  # the verdict comes last
     assert "token 0 vs reference: max |logit delta| 0\n" in out  # fenced is exact
+
+
+# the CLI in a process where `import matplotlib` fails, as on a machine without it
+_NO_MATPLOTLIB = "import sys; sys.modules['matplotlib'] = None; from moetrace.cli import main; main()"
+
+
+def _launches(traces: Path) -> dict[str, str]:
+    return {str(m.relative_to(traces)): json.loads(m.read_text())["run_nonce"] for m in traces.glob("*/*/_manifest.json")}
+
+
+def test_demo_runs_again_in_the_same_work_folder_without_matplotlib(demo_run, tmp_path):
+    """`moetrace demo` a second time where a first run left everything (the session's run,
+    copied), on a machine without matplotlib: a fresh run that reads only its own traces,
+    skips the plots in one line, keeps its verdict last, and leaves nothing of the first
+    run beside its own outputs (no earlier plot, no refusal record, no earlier trace)."""
+    assert demo_run.returncode == 0, demo_run.stderr
+    work = shutil.copytree(demo_run.workdir, tmp_path / "demo-out", symlinks=True)
+    first = _launches(work / "traces")
+    assert len(first) == 4 and (work / "reports" / "fenced.png").exists()
+    proc = subprocess.run([sys.executable, "-c", _NO_MATPLOTLIB, "demo", "--quick", "--transport", "emulator",
+                           "--workdir", str(work)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[-1].startswith("race found unfenced; fix validated fenced"), lines
+    assert sum(line.startswith("plots:") for line in lines) == 1
+    assert "plots:   skipped (matplotlib is not installed here (pip install matplotlib))" in lines
+    # stderr is not a terminal: no progress; the ranks' own output went to the rank logs
+    assert proc.stderr == ""
+    assert "moetrace guard: rank 1" in (work / "logs" / "unfenced" / "rank1.log").read_text()
+    # the emulator has none of SGLang's weight writers, by design: recorded in every rank's
+    # manifest, never said as if something were wrong
+    for log in (work / "logs").glob("*/rank*.log"):
+        assert "were not found" not in log.read_text(), log
+    for manifest in (work / "traces").glob("*/*/_manifest.json"):
+        assert any("weight writers were not found" in n for n in json.loads(manifest.read_text())["notes"])
+    second = _launches(work / "traces")
+    assert sorted(second) == sorted(first) and not set(second.values()) & set(first.values())
+    assert not list(work.rglob("_refused-*")) and not list(work.rglob("*.png"))
+    assert sorted(p.name for p in (work / "reports").iterdir()) == sorted(
+        f"{run}.{ext}" for run in ("unfenced", "fenced") for ext in ("json", "md", "junit.xml"))
+    codes = {run: json.loads((work / "reports" / f"{run}.json").read_text())["audit_exit_code"]
+             for run in ("unfenced", "fenced")}
+    assert codes == {"unfenced": 1, "fenced": 0}
+
+
+def test_demo_refuses_a_work_folder_it_did_not_make(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    one_line_error(cli("demo", "--quick", "--workdir", tmp_path), f"--workdir {tmp_path}: holds notes.txt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
 def _port() -> int:
@@ -202,3 +252,36 @@ def test_audit_usage_errors_are_one_line(args, needle):
     r = CliRunner().invoke(main, ["audit", *args])
     assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_audit_launch_hands_its_index_to_the_guard(small_index, tmp_path, monkeypatch):
+    """`audit --launch --index I --hook-config {"guard": "alert"}`: the hooks get I (the one
+    index of the audit), as a config the tracer accepts; a hook config naming another index
+    is refused in one line before anything is launched."""
+    import moetrace.jobs.audit as audit
+    from moetrace.errors import MoetraceError
+    from moetrace.tracer.config import TraceConfig
+
+    handed = []
+
+    def launch_and_drive(cmd, config, *args, **kw):
+        handed.append(dict(config))
+        raise MoetraceError("launched")  # stop here: what matters is the config the server gets
+
+    monkeypatch.setattr(audit, "launch_and_drive", launch_and_drive)
+    guard = tmp_path / "guard.json"
+    guard.write_text('{"guard": "alert"}')
+    args = ["audit", "--launch", f"touch {tmp_path / 'started'}", "--index", small_index, "--out", tmp_path / "t",
+            "--hook-config", guard]
+    one_line_error(cli(*args), "launched")
+    (config,) = handed
+    assert config["index"] == os.path.abspath(small_index) and config["guard"] == "alert"
+    cfg = TraceConfig.from_dict(config)
+    assert cfg.guard == "alert" and cfg.index == os.path.abspath(small_index)
+    # without anything that verifies in the server, the hooks are left as configured
+    guard.write_text('{"layers": "0"}')
+    one_line_error(cli(*args), "launched")
+    assert "index" not in handed[-1]
+    guard.write_text(json.dumps({"guard": "alert", "index": str(tmp_path / "other.parquet")}))
+    one_line_error(cli(*args), "--hook-config names index", "one index per audit")
+    assert len(handed) == 2 and not (tmp_path / "started").exists()

@@ -4,6 +4,7 @@ after normal stops and after SIGKILLed ranks (no processes, no /dev/shm segments
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -112,6 +113,13 @@ def test_cli_serve_sigterm(ckpt, tmp_path):
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.1)
         info = json.loads(ready.read_text())
+        # serve --help names exactly the keys the ready file holds
+        from click.testing import CliRunner
+
+        from moetrace.cli import main
+
+        helped = re.search(r"Write \{([^}]*)\}", " ".join(CliRunner().invoke(main, ["serve", "--help"]).output.split()))
+        assert helped and sorted(k.strip(' "') for k in helped.group(1).split(",")) == sorted(info)
         assert _get(info["url"] + "/health")[0] == 200
         code, body = _post(info["url"] + "/v1/completions", {"prompt": "x" * 40, "max_tokens": 2})
         assert code == 200 and len(body["choices"][0]["token_ids"]) == 2

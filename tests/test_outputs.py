@@ -109,14 +109,51 @@ def test_output_options_refuse_what_is_not_a_regular_file(option, kind, small_mo
 
 
 def test_a_report_that_cannot_be_written_does_not_hide_the_verdict(runs, small_index, tmp_path):
+    """All of a run's reports or none: the report that could be written is removed again,
+    with the earlier run's report at that path, so none is taken for this run's."""
     json_out, junit = tmp_path / "audit.json", tmp_path / "no-such-folder" / "junit.xml"
+    json_out.write_text('{"status": "an earlier run"}')
     r = cli("audit", runs / "good", "--index", small_index, "--json-out", json_out, "--junit", junit)
     assert r.exit_code == 3 and "ALL MATCH" in r.output and "audit: exit 3 (pass, but a report was not written)" in r.output
-    assert f"moetrace: error: --junit {junit}: cannot write" in r.output and json.loads(json_out.read_text())
+    assert f"moetrace: error: --junit {junit}: cannot write" in r.output and "no report written" in r.output
+    assert not json_out.exists() and not junit.exists()
     r = cli("audit", runs / "bad", "--index", small_index, "--junit", junit)
     assert r.exit_code == 1 and "E+2" in r.output and f"--junit {junit}: cannot write" in r.output  # 1 wins
     r = cli("analyze", runs / "bad", "--index", small_index, "--markdown", junit)
     assert r.exit_code == 3 and "E+2" in r.output
+
+
+def test_an_unusable_rerun_leaves_no_report_of_the_earlier_run(runs, small_index, tmp_path):
+    """The nightly command run twice: the second run's trace is unusable. Every report path
+    now holds the second run's (unusable) report, the picture included: no DIVERGENT grid
+    of the first run is left beside them."""
+    paths = {"--json-out": tmp_path / "a.json", "--markdown": tmp_path / "a.md", "--junit": tmp_path / "j.xml",
+             "--plot": tmp_path / "a.png"}
+    options = [str(x) for option, path in paths.items() for x in (option, path)]
+    r = cli("audit", runs / "bad", "--index", small_index, *options)
+    assert r.exit_code == 1
+    divergent_png = paths["--plot"].read_bytes()
+    (tmp_path / "empty").mkdir()
+    r = cli("audit", tmp_path / "empty", "--index", small_index, *options)
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert json.loads(paths["--json-out"].read_text())["status"] == "unusable"
+    assert "UNUSABLE" in paths["--markdown"].read_text() and "<error" in paths["--junit"].read_text()
+    png = paths["--plot"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png != divergent_png
+
+
+def test_plot_without_matplotlib_is_refused_before_any_work(runs, small_index, tmp_path):
+    """`--plot` on a machine without matplotlib: one line before anything runs (no server
+    launched, no report written), exit 2."""
+    code = ("import sys; sys.modules['matplotlib'] = None; from moetrace.cli import main; main()")
+    report = tmp_path / "a.json"
+    proc = subprocess.run([sys.executable, "-c", code, "audit", "--launch", f"touch {tmp_path / 'started'}",
+                           "--index", small_index, "--out", str(tmp_path / "t"), "--json-out", str(report),
+                           "--plot", str(tmp_path / "a.png")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (f"moetrace: error: --plot {tmp_path / 'a.png'}: matplotlib is not installed here "
+                                   "(pip install matplotlib); or drop --plot")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_an_unexpected_error_is_one_line_and_exit_2(runs, small_index, monkeypatch):

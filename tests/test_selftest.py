@@ -31,6 +31,39 @@ def test_selftest_cpu_quick_passes(gpu_script_dry_run):
     data = proofs["throughput"]["data"]
     for key in ("fingerprint_vs_copy", "fingerprint_vs_sha256_host", "capture_vs_load_copies"):
         assert data[key] > 0
+    # a measurement is reported, never judged: it cannot pass, so it is not called a proof
+    assert proofs["throughput"]["kind"] == "measurement" and proofs["fingerprint"]["kind"] == "proof"
+    assert doc["verdict"] == "selftest PASSED on cpu: every proof holds (throughput: measured, not judged)"
+
+
+def test_selftest_prints_each_part_as_it_ends_and_the_verdict_last(monkeypatch):
+    """Each part's line is printed when that part ends, before the next one starts (no
+    silence until the end); the measurement is [INFO], not [PASS]; the verdict comes last."""
+    events = []
+
+    def part(name, kind="proof"):
+        def run(*args, **kw):
+            events.append(f"start {name}")
+            return st.Proof(name, True, f"{name} done", 0.1, kind=kind)
+        return run
+
+    monkeypatch.setattr(st, "prove_fingerprint", part("fingerprint"))
+    monkeypatch.setattr(st, "measure_throughput", part("throughput", "measurement"))
+    import click
+
+    echo = click.echo
+
+    def recording_echo(message=None, *args, **kw):
+        events.append(f"print {message}")
+        return echo(message, *args, **kw)
+
+    monkeypatch.setattr(click, "echo", recording_echo)
+    r = CliRunner().invoke(main, ["selftest", "--only", "fingerprint", "--only", "throughput"])
+    assert r.exit_code == 0, r.output
+    assert events == ["start fingerprint", "print [PASS] fingerprint  fingerprint done (0.1 s)",
+                      "start throughput", "print [INFO] throughput   throughput done (0.1 s)",
+                      "print selftest PASSED on cpu: every proof holds (throughput: measured, not judged)"]
+    assert r.output.splitlines()[-1].startswith("selftest PASSED")
 
 
 def test_selftest_detector_on_the_demo_pair(demo_run, monkeypatch, tmp_path):
@@ -51,7 +84,8 @@ def test_selftest_detector_on_the_demo_pair(demo_run, monkeypatch, tmp_path):
 
     monkeypatch.setattr(demo, "run_pair", demo_pair)
     code, proofs = st.run_selftest("cpu", quick=True, workdir=str(tmp_path), only=("detector",))
-    assert calls == [(tmp_path / "detector", QUICK, "cpu", {})]  # what the proof asks for: the quick pair on CPU
+    assert [c[:3] for c in calls] == [(tmp_path / "detector", QUICK, "cpu")]  # what the proof asks for: the quick pair on CPU
+    assert set(calls[0][3]) <= {"progress"}
     doc = st.as_json(code, proofs, "cpu")
     assert doc["exit_code"] == 0 and doc["verdict"] == "selftest PASSED on cpu: every proof holds", doc
     (proof,) = doc["proofs"]
