@@ -10,6 +10,8 @@ a row's full chunks in batches, its last (shorter) chunk as one batch of rows.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from moetrace import fingerprint_reference as ref
@@ -142,17 +144,22 @@ def _17to240(b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _avalanche(low), -_avalanche(high)
 
 
-_STRIPE_KEYS: dict[torch.device, torch.Tensor] = {}
+_LARGE_CONSTANTS: dict[torch.device, torch.Tensor] = {}
 
 
-def _stripe_keys(device: torch.device) -> torch.Tensor:
-    """int64 [17, 8]: the secret words of stripe s of a block (rows 0..15) and of the last stripe (row 16)."""
-    keys = _STRIPE_KEYS.get(device)
-    if keys is None:
+def _large_constants(device: torch.device) -> torch.Tensor:
+    """int64 [19, 8], once per device (a host-to-device copy per call would wait for the
+    stream): rows 0..15 the secret words of stripe s of a block, row 16 those of the last
+    stripe, row 17 the scramble's, row 18 the initial accumulators."""
+    found = _LARGE_CONSTANTS.get(device)
+    if found is None:
+        n = len(ref.SECRET)
         rows = [[_secret(8 * s + 8 * i) for i in range(8)] for s in range(ref.STRIPES_PER_BLOCK)]
-        rows.append([_secret(len(ref.SECRET) - 71 + 8 * i) for i in range(8)])
-        keys = _STRIPE_KEYS[device] = torch.tensor(rows, dtype=torch.int64, device=device)
-    return keys
+        rows.append([_secret(n - 71 + 8 * i) for i in range(8)])
+        rows.append([_secret(n - 64 + 8 * i) for i in range(8)])
+        rows.append([_s64(a) for a in ref.INIT_ACC])
+        found = _LARGE_CONSTANTS[device] = torch.tensor(rows, dtype=torch.int64, device=device)
+    return found
 
 
 def _stripe_sums(words: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,14 +181,14 @@ def _words_at(b: torch.Tensor, start: int, count: int) -> torch.Tensor:
 
 
 def _large(b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if torch.tensor([1], dtype=torch.int16).view(torch.uint8)[0].item() != 1:
+    if sys.byteorder != "little":  # words are viewed in the device's byte order: little-endian on CUDA and x86/ARM hosts
         raise RuntimeError("the torch XXH3 path reads words in little-endian byte order")
     m, dev = b.shape[0], b.device
-    keys = _stripe_keys(dev)
+    consts = _large_constants(dev)
+    keys, scramble = consts[: ref.STRIPES_PER_BLOCK + 1], consts[ref.STRIPES_PER_BLOCK + 1]
     n_blocks = (n - 1) // ref.BLOCK
     tail_stripes = (n - n_blocks * ref.BLOCK - 1) // ref.STRIPE
-    acc = torch.tensor([_s64(a) for a in ref.INIT_ACC], dtype=torch.int64, device=dev).repeat(m, 1)
-    scramble = torch.tensor([_secret(len(ref.SECRET) - 64 + 8 * i) for i in range(8)], dtype=torch.int64, device=dev)
+    acc = consts[ref.STRIPES_PER_BLOCK + 2].repeat(m, 1)
     if n_blocks:
         words = _words_at(b, 0, n_blocks * ref.BLOCK // 8).view(m, n_blocks, ref.STRIPES_PER_BLOCK, 8)
         v = words ^ keys[: ref.STRIPES_PER_BLOCK]

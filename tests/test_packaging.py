@@ -24,6 +24,12 @@ def test_torch_requirement_has_no_version_bound():
     assert torch_reqs == ["torch"], torch_reqs
 
 
+def test_xxhash_is_a_runtime_dependency():
+    """The fingerprint (fp_version 3) is XXH3-128 through the xxhash package on every host."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert [d for d in deps if d.split(">")[0].split("=")[0].strip().lower() == "xxhash"], deps
+
+
 def test_make_installs_cpu_torch_only_when_missing():
     makefile = (ROOT / "Makefile").read_text()
     assert '-c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0' in makefile
