@@ -81,6 +81,8 @@ _BUFFERS = threading.local()  # per worker thread: the last block, refilled by t
 
 def resolve_device(device: str) -> str:
     """--device auto: CUDA when torch sees a device, else the CPU; cuda without one: one line."""
+    import torch
+
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device != "cpu" and not torch.cuda.is_available():
@@ -88,13 +90,15 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _fingerprint_rows(stacked: torch.Tensor, device: str) -> list:
+def _fingerprint_rows(stacked: "torch.Tensor", device: str) -> list:
     """One Fingerprint per expert row. On a GPU the bytes go through a pinned host buffer
     (one per worker thread, reused) to the device and its kernel; the digests come back
     with finalize's copy, which also ends the transfer before the buffer is refilled."""
     rows = fpdef.row_bytes(stacked)
     if device == "cpu":
         return fpdef.finalize(fpdef.row_chunk_digests(rows), rows.shape[1])
+    import torch
+
     pinned = getattr(_BUFFERS, "pinned", None)
     if pinned is None or pinned.numel() < rows.numel():
         pinned = _BUFFERS.pinned = torch.empty(max(rows.numel(), _BLOCK_BYTES), dtype=torch.uint8, pin_memory=True)
@@ -258,6 +262,8 @@ def cached_index(
     if not path.exists():
         _writable_cache()
     if path.exists():
+        from moetrace.checkpoints.shards import Parallel
+
         par = Parallel(tp_size=tp_size, ep_size=ep_size, layout=layout, moe_dp_size=moe_dp_size)
         try:  # the key hashes no tensor data: a hit must reproduce a sample of it (checkpoints.index_cache)
             differs = index_cache.verify_hit(path, ckpt, par)

@@ -26,14 +26,17 @@ import os
 import random
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow.compute as pc
 
 from moetrace import fingerprint as fpdef
 from moetrace.checkpoints.index import read_index
 from moetrace.checkpoints.reader import Checkpoint, draft_checkpoint
-from moetrace.checkpoints.shards import Parallel, expected_experts
 from moetrace.errors import MoetraceError
+
+if TYPE_CHECKING:  # the shard cutter (and torch) load only when a hit is proved
+    from moetrace.checkpoints.shards import Parallel
 
 SAMPLE_EXPERTS = 8  # (model, layer, moe_tp_rank, expert) shards cut again per hit
 SAMPLE_CHUNKS = 2  # chunks hashed per tensor of each (all when fewer)
@@ -58,6 +61,8 @@ def verify_hit(index_path: str | os.PathLike, ckpt: Checkpoint, par: Parallel, r
                ) -> str | None:
     """None when a random sample of the cached index's chunk digests is reproduced from
     `ckpt` (cut for `par`); else why not, in words."""
+    from moetrace.checkpoints.shards import expected_experts  # torch: the sample is cut as the index was
+
     rng = rng or random.Random(os.urandom(8))
     table = read_index(index_path, columns=_COLUMNS)
     if "chunk_digests" not in table.column_names:

@@ -24,7 +24,6 @@ import math
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
 from moetrace import fingerprint as fpdef
 from moetrace.errors import MoetraceError
@@ -66,9 +65,15 @@ def check_metadata(path, meta: dict) -> None:
         raise _corrupt(path, f"metadata tp_size {tp} is not ep_size {ep} x moe_dp_size {dp} x moe_tp_size {mtp}")
 
 
+_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2, "int32": 4,
+             "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8}
+
+
 def _itemsize(name: str) -> int | None:
-    dtype = getattr(torch, str(name), None)
-    return torch.empty(0, dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else None
+    """Bytes per element of a torch dtype spelled as the schemas spell it (schema.dtype_name),
+    without torch: reading an index needs no tensors."""
+    name = str(name)
+    return 1 if name.startswith("float8_") else _ITEMSIZE.get(name)
 
 
 def _where(model, layer, expert, tensor) -> str:
