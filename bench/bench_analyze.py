@@ -31,7 +31,7 @@ t0 = time.perf_counter()
 mode, trace, index = sys.argv[1], sys.argv[2], sys.argv[3]
 if mode.startswith("floor"):
     import pyarrow.dataset as ds
-    from moetrace.analysis.inputs import TRACE_COLUMNS
+    from moetrace.analysis.trace import TRACE_COLUMNS
     t1 = time.perf_counter()
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(trace) for f in fs if f.endswith(".parquet"))
     tbl = ds.dataset(files, format="parquet").to_table(columns=None if mode == "floor_full" else TRACE_COLUMNS)
@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args()
 
-    from moetrace.analysis.synth import write_bench
+    from synthetic_trace import write_bench  # beside this script
 
     work = args.out or tempfile.mkdtemp(prefix="moetrace-bench-")
     meta_path = os.path.join(work, "bench.json")
@@ -86,9 +86,9 @@ def main() -> None:
             meta = json.load(open(meta_path))
         else:
             t = time.perf_counter()
-            meta = write_bench(work, args.rows, rows_per_part=args.rows_per_part, chunk_digests=args.chunk_digests)
+            meta = write_bench(work, args.rows, rows_per_part=args.rows_per_part, chunk_digests=args.chunk_fps)
             meta["generate_seconds"] = time.perf_counter() - t
-            meta["chunk_digests"] = args.chunk_digests
+            meta["chunk_digests"] = args.chunk_fps
             json.dump(meta, open(meta_path, "w"))
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(meta["trace"]) for f in fs)
         results = {}

@@ -300,3 +300,36 @@ def test_row_keys_do_not_collide():
     keys = _key(np.zeros_like(a), a, b)
     assert len(np.unique(keys)) == len(a)
     assert (_key(a, b) == _key(a.copy(), b.copy())).all() and (_key(a, b) != _key(b, a))[a != b].all()
+
+
+@pytest.mark.parametrize("race", [False, True])
+def test_a_trace_the_guard_wrote_is_audited_on_its_verdicts(make_ckpt, tmp_path, race):
+    """Issue 23, 2, with the real guard (in this process, guard_rows: mismatch): two staged
+    loads of a clean server pass with every tensor verified by the guard and no row; with
+    the race the guard's E+2 rows are the divergences and the rest count as verified."""
+    from moetrace.checkpoints.index import write_index
+    from moetrace.checkpoints.index_build import build_index
+    from moetrace.hooks.kt import KTLoadCapture
+    from moetrace.tracer.capture import Tracer
+    from moetrace.tracer.config import TraceConfig
+    from support.guarded import StagedContext, shards
+
+    ckpt = make_ckpt(num_layers=2, num_experts=8, hidden=128, intermediate=256, seed=3)
+    index = str(write_index(build_index(ckpt, 1), tmp_path / "index.parquet"))
+    tr = Tracer(TraceConfig.from_dict({"out": str(tmp_path / "traces"), "run_id": "g", "index": index,
+                                       "guard": "record", "sources": ["staged"]}), 0, 1)
+    cls = type("SharedFullContext", (StagedContext,), {"load": StagedContext.load})
+    cap = KTLoadCapture(tr, cls).attach()
+    try:
+        ctx = cls(shards(ckpt), race=race)
+        ctx.forward_layer(0)
+        ctx.forward_layer(1)
+    finally:
+        cap.detach()
+    assert tr.close()
+    rep = analyze([str(tmp_path / "traces" / "g")], index=index)
+    t = rep.doc["totals"]
+    stale = 2 * 6 if race else 0
+    assert (rep.exit_code, rep.doc["incomplete"]) == ((1 if race else 0), [])
+    assert (t["rows_read"], t["match"], t["missing"], t["tensors"]) == (stale, 64 - stale, 0, 64)
+    assert (t["guard_verified"], t["by_verdict"]["stale"]) == (64 - stale, stale)
