@@ -36,7 +36,7 @@ from moetrace.checkpoints.shards import Parallel, expected_experts
 from moetrace.errors import MoetraceError
 
 SAMPLE_EXPERTS = 8  # (model, layer, moe_tp_rank, expert) shards cut again per hit
-SAMPLE_CHUNKS = 2  # chunks hashed per tensor of each (all when fewer)
+SAMPLE_CHUNKS = 1  # chunks hashed per tensor of each: another checkpoint differs in every chunk
 _COLUMNS = ["model", "moe_tp_rank", "layer", "expert", "tensor", "nbytes", "chunk_digests"]
 
 
