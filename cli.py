@@ -110,9 +110,13 @@ def _writable_dir(path: str | None, option: str) -> None:
         raise MoetraceError(f"{option} {path}: cannot write there ({err.strerror or err})") from None
 
 
-def _output_files(pairs: list[tuple[str, str | None]]) -> None:
+def _output_files(pairs: list[tuple[str, str | None]], probe: bool = True) -> None:
     """Before any work: each given output file is a non-empty path, no two options name
-    the same file, and each can be written (storage.probe_output)."""
+    the same file, and (probe) a local one's folder exists and takes a temp file (made
+    and removed: nothing is created). analyze/audit do not probe: a report that cannot
+    be written is their exit 3 after the verdict (docs/analysis.md)."""
+    import tempfile
+
     from moetrace import storage
 
     seen: dict[str, str] = {}
@@ -121,11 +125,19 @@ def _output_files(pairs: list[tuple[str, str | None]]) -> None:
             continue
         if not str(path).strip():
             raise MoetraceError(f"{option}: an empty path; give a file name")
-        key = os.path.realpath(path) if storage.local_path(path) is not None else str(path)
+        local = storage.local_path(path)
+        key = os.path.realpath(local) if local is not None else str(path)
         if key in seen:
-            raise MoetraceError(f"{option} {path}: {seen[key]} writes the same file; give each report its own path")
+            raise MoetraceError(f"{option} {path}: {seen[key]} writes the same file; give each output its own path")
         seen[key] = option
-        storage.probe_output(path, option)
+        storage.check_output(path, option)
+        if probe and local is not None:
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=".moetrace-probe-", dir=os.path.dirname(os.path.abspath(local)))
+                os.close(fd)
+                os.unlink(tmp)
+            except OSError as err:
+                raise MoetraceError(f"{option} {path}: cannot write ({err.strerror or err})") from None
 
 
 def _progress(as_json: bool):
@@ -489,7 +501,7 @@ def _analysis_opts(kw: dict):
     set_remote_timeout(kw.pop("remote_timeout"))
     reports = ReportFiles(**{k: kw.pop(k) for k in ("json_out", "markdown", "junit", "plot")})
     _output_files([("--json-out", reports.json_out), ("--markdown", reports.markdown), ("--junit", reports.junit),
-                   ("--plot", reports.plot)])
+                   ("--plot", reports.plot)], probe=False)
     return AnalysisOptions(trace=tuple(kw.pop("trace")), index=kw.pop("index_path"), checkpoint=kw.pop("checkpoint"),
                            as_json=kw.pop("as_json"), reports=reports, max_lines=kw.pop("max_lines"),
                            max_rows=kw.pop("max_rows"))

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # the shard cutter (and torch) load only when a hit is proved
     from moetrace.checkpoints.shards import Parallel
 
 SAMPLE_EXPERTS = 8  # (model, layer, moe_tp_rank, expert) shards cut again per hit
-SAMPLE_CHUNKS = 2  # chunks hashed per tensor of each (all when fewer)
+SAMPLE_CHUNKS = 1  # chunks hashed per tensor of each: another checkpoint differs in every chunk
 _COLUMNS = ["model", "moe_tp_rank", "layer", "expert", "tensor", "nbytes", "chunk_digests"]
 
 

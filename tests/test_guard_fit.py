@@ -176,3 +176,26 @@ def test_metrics_port_past_65535_for_some_rank(fit, tmp_path):
     finally:
         tr.close()
     assert m["exporter"] == "none" and "past port 65535" in m["reason"]
+
+
+def test_a_corrupt_index_never_fails_closed(fit, tmp_path, caplog):
+    """Item 9: one flipped bit in a digest (its chunk digests intact): the guard refuses
+    the index by name and verifies nothing; a clean load is never killed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(fit.tp1)
+    d = t.column("digest").to_pylist()
+    d[3] = bytes([d[3][0] ^ 1]) + d[3][1:]
+    bad = tmp_path / "bad.parquet"
+    write_index(t.set_column(t.column_names.index("digest"), "digest", pa.array(d, pa.binary(16)))
+                .replace_schema_metadata(t.schema.metadata), bad)
+    with caplog.at_level(logging.ERROR, "moetrace.guard"):
+        tr = _tracer(tmp_path, str(bad))
+    try:
+        tr.capture(fit.host1[0], layer=0, source="staged", step=0, experts=range(E))
+        g = _guard(tr)
+    finally:
+        tr.close()
+    assert g["status"] == "unverified" and "corrupt" in g["status_reason"] and str(bad) in g["status_reason"]
+    assert g["failed_closed"] is None and g["tensors"]["mismatch"] == 0

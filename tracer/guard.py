@@ -133,7 +133,8 @@ class Guard:
         key = f"{event.source}:{event.model}:{int(event.layer)}"
         if key not in self._fitted and self.expectation is not None:
             self._fitted.add(key)
-            self.misfit(index_fit.layout_misfit(self.expectation.meta, tracer._layouts.get(key), event.source))
+            facts = getattr(tracer, "_layouts", {}).get(key)  # recorded by the hook just before this capture
+            self.misfit(index_fit.layout_misfit(self.expectation.meta, facts, event.source))
         with self._lock:
             exp = self.expectation
             if exp is not None and items and items[0].data.device != exp.device:
