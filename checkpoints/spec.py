@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from moetrace.checkpoints.model_config import ALIASES, MODEL_TYPES, decoder_json, read_decoder_config
 from moetrace.checkpoints.quant_config import quant_format, scale_suffix
 from moetrace.errors import MoetraceError
 from moetrace.schema import MAX_ID
@@ -21,6 +22,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "model"),
     "Qwen3NextForCausalLM": ("qwen3_next", "model"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "model.language_model"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", "model"),  # Qwen3.5's text-only model (sglang models/qwen3_5_text.py)
     "DeepseekV3ForCausalLM": ("deepseek_v3", "model"),
 }
 FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3")
@@ -120,7 +122,8 @@ def moe_layers_from_config(family: str, text: Mapping, where: str) -> tuple[int,
 _FORMAT_WORDS = {"fp8_block": "block scales", "fp8_channel": "per-channel scales", "fp8_tensor": "per-tensor scales"}
 
 
-def _check_sizes_held(prefix: str, sizes: dict[str, int], tensors: Mapping[str, str] | None, where: str) -> None:
+def _check_sizes_held(prefix: str, sizes: dict[str, int], tensors: Mapping[str, str] | None, where: str,
+                      defaulted: set[str] = frozenset()) -> None:
     """Sizes in config.json are checked before anything is sized by them: never above
     schema.MAX_ID, and (given the tensor names) never above what the safetensors files
     hold: a layer count past the last layer with tensors, an expert count past the last
@@ -148,8 +151,9 @@ def _check_sizes_held(prefix: str, sizes: dict[str, int], tensors: Mapping[str, 
             continue  # fused 3-D experts: the stacked dimension is checked against the config by shape
         if n > have:
             ids = f"{what} 0-{have - 1}" if have > 0 else f"no {what}"
-            raise MoetraceError(f"{where}: '{key}' is {n:,} but the safetensors files hold {ids} only: the config "
-                                "and the weights disagree")
+            default = " (transformers' default: the file does not set it)" if key in defaulted else ""
+            raise MoetraceError(f"{where}: '{key}' is {n:,}{default} but the safetensors files hold {ids} only: the "
+                                "config and the weights disagree")
 
 
 _DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn"}
@@ -172,22 +176,18 @@ def spec_from_config(config: Mapping, path: str | Path, tensors: Mapping[str, st
             f"{where}: architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     family, prefix = ARCHITECTURES[arch]
-    text = config
-    if family == "qwen3_5_moe":
-        # Qwen3.5 is a vision-language wrapper: decoder keys live in text_config.
-        text = config.get("text_config")
-        if not isinstance(text, Mapping):
-            raise MoetraceError(f"{where}: {arch} needs a 'text_config' object")
-        where_text = f"{where} (text_config)"
-    else:
-        where_text = where
+    raw_text, where_text = decoder_json(config, arch, where)
+    # The sizes as SGLang sees them (transformers' attribute maps and defaults).
+    text = read_decoder_config(config, arch, where)
     experts_key = "n_routed_experts" if family == "deepseek_v3" else "num_experts"
     num_experts = _int(text, experts_key, where_text)
     if num_experts < 1:
         raise MoetraceError(f"{where_text}: the number of routed experts must be >= 1, found {num_experts}")
+    aliases = ALIASES.get(MODEL_TYPES[arch][1], {})
+    defaulted = {k for k in ("num_hidden_layers", experts_key) if not any(a in raw_text for a in aliases.get(k, (k,)))}
     _check_sizes_held(prefix, {"num_hidden_layers": _int(text, "num_hidden_layers", where_text),
-                               experts_key: num_experts}, tensors, where_text)
-    q = quant_format(config, text, where)
+                               experts_key: num_experts}, tensors, where_text, defaulted)
+    q = quant_format(config, raw_text, where)
     spec = MoESpec(
         arch=arch,
         family=family,
