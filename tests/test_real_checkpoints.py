@@ -1,0 +1,183 @@
+"""Checkpoints as transformers and llm-compressor write them: each indexes with shards
+derived here independently (from the full tensors, by hand), shared experts included,
+or is refused by name exactly where SGLang 0.5.23's model class does not load it.
+docs/checkpoints.md's table of writers is read and checked row by row against this.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors import safe_open
+
+from moetrace.checkpoints.reader import open_checkpoint
+from moetrace.checkpoints.shards import Parallel, expected_experts
+from moetrace.errors import MoetraceError
+from moetrace.fingerprint import fingerprint
+from support import hf_checkpoints as hf
+from support.cli import cli, one_line_error
+
+pytest.importorskip("transformers")
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "checkpoints.md"
+SHARED = {"qwen3_next": "shared_expert", "qwen3_5_moe": "shared_expert", "qwen3_5_moe_text": "shared_expert",
+          "deepseek_v3": "shared_experts"}
+# (writer, family, format) -> None (indexed) or the refusal's words
+CASES = {
+    **{("transformers", f, "bf16"): None for f in hf.ARCHS},
+    ("transformers", "qwen3_moe", "bf16 fused"): "models/qwen3_moe.py maps per-expert names only",
+    ("transformers", "qwen3_next", "bf16 fused"): "models/qwen3_next.py maps per-expert names only",
+    ("transformers", "qwen3_5_moe", "bf16 fused"): None,
+    ("transformers", "qwen3_5_moe_text", "bf16 fused"): None,
+    ("transformers", "deepseek_v3", "bf16 fused"): None,
+    ("transformers", "qwen3_5_moe", "fp8 block fused"): None,
+    ("transformers", "qwen3_5_moe_text", "fp8 block fused"): None,
+    ("transformers", "deepseek_v3", "fp8 block fused"): "loader maps model.layers.1.mlp.experts.gate_up_proj_scale;",
+    **{("llm-compressor", p.name.rsplit("-", 1)[0], p.name.rsplit("-", 1)[1].replace("_", " ")): None
+       for p in hf.llmcompressor_outputs()},
+}
+
+
+@pytest.fixture(scope="session")
+def written(tmp_path_factory):
+    """(writer, family, format) -> checkpoint folder, written on first use."""
+    made: dict[tuple, Path] = {}
+
+    def get(case: tuple) -> Path:
+        if case not in made:
+            writer, family, fmt = case
+            if writer == "llm-compressor":
+                made[case] = hf.DATA / f"{family}-{fmt.replace(' ', '_')}"
+            else:
+                root = tmp_path_factory.mktemp(f"{family}-{fmt.replace(' ', '-')}")
+                made[case] = (hf.fp8_fused(root, family) if fmt.startswith("fp8")
+                              else hf.save_pretrained(root, family, fused=fmt.endswith("fused")))
+        return made[case]
+
+    return get
+
+
+class Full:
+    """The checkpoint's tensors, read whole with safetensors: the independent side."""
+
+    def __init__(self, root: Path, family: str):
+        self.f = safe_open(str(root / "model.safetensors"), "pt")
+        self.names = set(self.f.keys())
+        cfg = json.loads((root / "config.json").read_text())
+        q = cfg.get("quantization_config") or {}
+        self.prefix = "model.language_model" if family == "qwen3_5_moe" else "model"
+        self.shared = SHARED.get(family)
+        if not q:
+            self.kind, self.block = "bf16", None
+        elif q["quant_method"] == "fp8":
+            self.kind, self.block = "fp8", tuple(q["weight_block_size"])
+        else:
+            w = next(iter(q["config_groups"].values()))["weights"]
+            self.kind = "ct " + w["strategy"]
+            self.block = tuple(w["block_structure"]) if w["strategy"] == "block" else None
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.f.get_tensor(name)
+
+    def expert(self, layer: int, e: int, num_experts: int) -> dict[str, torch.Tensor]:
+        """gate, up, down and their scales (gate_s, up_s, down_s) of one expert."""
+        stem = f"{self.prefix}.layers.{layer}.mlp"
+        suffix = "weight_scale_inv" if self.kind == "fp8" else "weight_scale"
+        if f"{stem}.experts.gate_up_proj" in self.names and e < num_experts:
+            gu, down = self.get(f"{stem}.experts.gate_up_proj")[e], self.get(f"{stem}.experts.down_proj")[e]
+            out = {"gate": gu[: hf.I], "up": gu[hf.I:], "down": down}
+            if self.kind != "bf16":
+                s = self.get(f"{stem}.experts.gate_up_proj_scale_inv")[e]
+                half = s.shape[0] // 2
+                out.update(gate_s=s[:half], up_s=s[half:], down_s=self.get(f"{stem}.experts.down_proj_scale_inv")[e])
+            return out
+        mod = f"experts.{e}" if e < num_experts else self.shared
+        out = {p: self.get(f"{stem}.{mod}.{p}_proj.weight") for p in ("gate", "up", "down")}
+        if self.kind != "bf16":
+            out.update({f"{p}_s": self.get(f"{stem}.{mod}.{p}_proj.{suffix}") for p in ("gate", "up", "down")})
+        return out
+
+    def shard(self, layer: int, e: int, num_experts: int, r: int, tp: int) -> dict[str, torch.Tensor]:
+        x, n = self.expert(layer, e, num_experts), hf.I // tp
+        rows = slice(r * n, (r + 1) * n)
+        out = {"w13_weight": torch.cat([x["gate"][rows], x["up"][rows]]), "w2_weight": x["down"][:, rows]}
+        if self.kind == "bf16":
+            return out
+        name = "weight_scale_inv" if self.kind == "fp8" else "weight_scale"
+        if self.block:
+            bn, bk = self.block
+            b_rows, b_cols = slice(r * n // bn, (r + 1) * n // bn), slice(r * n // bk, (r + 1) * n // bk)
+            out[f"w13_{name}"] = torch.cat([x["gate_s"][b_rows], x["up_s"][b_rows]]).float()
+            out[f"w2_{name}"] = x["down_s"][:, b_cols].float()
+        else:  # per-channel: w2 keeps every output channel
+            out[f"w13_{name}"] = torch.cat([x["gate_s"][rows], x["up_s"][rows]]).float().reshape(-1, 1)
+            out[f"w2_{name}"] = x["down_s"].float().reshape(-1, 1)
+        return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+INDEXED = sorted(k for k, v in CASES.items() if v is None)
+REFUSED = sorted(k for k, v in CASES.items() if v is not None)
+
+
+@pytest.mark.parametrize("case", INDEXED, ids=" / ".join)
+def test_indexes_with_independent_shards(written, case, tmp_path):
+    writer, family, fmt = case
+    root = written(case)
+    full, ckpt = Full(root, family), open_checkpoint(root)
+    spec = ckpt.spec
+    assert spec.shared_experts == (1 if family in SHARED else 0), "every shared expert here is shaped like a routed one"
+    assert spec.fused_experts == fmt.endswith("fused")
+    want_digests = {}
+    for layer in spec.moe_layers:
+        for r in range(2):
+            got = expected_experts(ckpt, layer, r, Parallel(2))
+            for e in range(spec.num_experts + spec.shared_experts):
+                for name, t in full.shard(layer, e, spec.num_experts, r, 2).items():
+                    g = got[name][e]
+                    assert g.dtype == t.dtype and g.shape == t.shape and torch.equal(_bytes(g), _bytes(t)), \
+                        f"{case} layer {layer} rank {r} expert {e} {name}"
+                    want_digests[(r, layer, e, name)] = fingerprint(t).digest
+    out = tmp_path / "index.parquet"
+    r = cli("index", root, "--tp", 2, "-o", out, "--no-cache")
+    assert r.exit_code == 0, r.output
+    rows = [x for x in pq.read_table(out).to_pylist() if x["model"] == "target"]
+    got_digests = {(x["moe_tp_rank"], x["layer"], x["expert"], x["tensor"]): x["digest"] for x in rows}
+    assert got_digests == want_digests
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=" / ".join)
+def test_refused_by_name_where_sglang_does_not_load(written, case, tmp_path):
+    root = written(case)
+    with pytest.raises(MoetraceError, match=re.escape(CASES[case])):
+        open_checkpoint(root)
+    r = cli("index", root, "--tp", 2, "-o", tmp_path / "index.parquet", "--no-cache")
+    one_line_error(r, CASES[case])
+    assert not (tmp_path / "index.parquet").exists()
+
+
+def _doc_rows() -> dict[tuple[str, str, str], str]:
+    """docs/checkpoints.md's writers table: (writer, family, format) -> "indexed" | "refused"."""
+    text = DOC.read_text()
+    table = text[text.index("<!-- writers table -->"):]
+    rows = {}
+    for line in table.splitlines()[3:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip().strip("`") for c in line.strip("|").split("|")]
+        rows[(cells[0], cells[1], cells[2])] = cells[3].split()[0].rstrip(":")
+    return rows
+
+
+def test_docs_table_is_the_behaviour():
+    """Every row of the docs table is a case here with the same outcome, and every case is a row."""
+    want = {k: ("indexed" if v is None else "refused") for k, v in CASES.items()}
+    assert _doc_rows() == want
