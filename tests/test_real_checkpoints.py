@@ -181,3 +181,82 @@ def test_docs_table_is_the_behaviour():
     """Every row of the docs table is a case here with the same outcome, and every case is a row."""
     want = {k: ("indexed" if v is None else "refused") for k, v in CASES.items()}
     assert _doc_rows() == want
+
+
+# ------------------------------------------------- SGLang's own name mapping (model level)
+
+@pytest.fixture(scope="session")
+def sglang():
+    from support import sglang_loader as sl
+    from support.sglang_source import installed_root
+
+    root = installed_root("sglang")
+    if root is None:
+        pytest.skip("sglang 0.5.23 not installed (make venv installs it with --no-deps)")
+    return sl, sl.build(str(root))
+
+
+def _sglang_family(family: str) -> str:
+    return "qwen3_5_moe" if family.startswith("qwen3_5_moe") else family
+
+
+def _expert_weights(root: Path) -> list[tuple[str, torch.Tensor]]:
+    with safe_open(str(root / "model.safetensors"), "pt") as f:
+        return [(n, f.get_tensor(n)) for n in sorted(f.keys()) if ".mlp.experts." in n or n.endswith(".mlp.experts")
+                or ".mlp.experts.gate_up_proj" in n or ".mlp.experts.down_proj" in n]
+
+
+def _load_all_layers(sl, o, ckpt, root: Path, family: str, rank: int):
+    spec = ckpt.spec
+    fmt, qm = spec.fmt, spec.quant_method
+    layers = {L: sl.make_layer(o, layer_id=L, num_experts=spec.num_experts, hidden=spec.hidden_size,
+                               intermediate=spec.intermediate_size, tp_size=2, ep_size=1, tp_rank=rank, fmt=fmt,
+                               quant_method=qm, block=spec.block) for L in spec.moe_layers}
+    for m in layers.values():
+        for p in m.parameters():  # anything the model's mapping does not fill shows
+            _bytes(p.data).fill_(0xA5)
+    sl.load(o, _expert_weights(root), layers, spec.num_experts, family=_sglang_family(family))
+    return layers
+
+
+QWEN_INDEXED = [c for c in INDEXED if c[1] != "deepseek_v3"]
+
+
+@pytest.mark.parametrize("case", QWEN_INDEXED, ids=" / ".join)
+def test_sglang_model_mapping_fills_what_the_index_expects(sglang, written, case):
+    """The installed SGLang model class's own load_weights (qwen3_moe.py, qwen3_next.py,
+    qwen3_5.py) maps the real writer's names onto every FusedMoE parameter, equal byte for
+    byte to moetrace's shards (the routed experts: SGLang fuses no Qwen shared expert on CUDA)."""
+    sl, o = sglang
+    writer, family, fmt = case
+    root = written(case)
+    ckpt = open_checkpoint(root)
+    for rank in range(2):
+        layers = _load_all_layers(sl, o, ckpt, root, family, rank)
+        for L, m in layers.items():
+            want = expected_experts(ckpt, L, rank, Parallel(2), experts=range(ckpt.spec.num_experts))
+            held = {n: p.data for n, p in m.named_parameters()}
+            assert set(held) == set(want), (case, sorted(held), sorted(want))
+            for name, w in want.items():
+                g = held[name]
+                assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(_bytes(g), _bytes(w)), \
+                    f"{case} rank {rank} layer {L} {name}"
+
+
+def test_sglang_skips_fused_qwen3_moe_names(sglang, written):
+    """The refusal's premise, from qwen3_moe.py itself: fused names fill nothing."""
+    sl, o = sglang
+    root = written(("transformers", "qwen3_moe", "bf16 fused"))
+    per_expert = open_checkpoint(written(("transformers", "qwen3_moe", "bf16")))  # same sizes
+    layers = _load_all_layers(sl, o, per_expert, root, "qwen3_moe", 0)
+    for m in layers.values():
+        for p in m.parameters():
+            assert bool((_bytes(p.data) == 0xA5).all())
+
+
+def test_sglang_fails_on_fused_qwen3_next_names(sglang, written):
+    sl, o = sglang
+    root = written(("transformers", "qwen3_next", "bf16 fused"))
+    per_expert = open_checkpoint(written(("transformers", "qwen3_next", "bf16")))
+    with pytest.raises(KeyError, match="experts"):
+        _load_all_layers(sl, o, per_expert, root, "qwen3_next", 0)

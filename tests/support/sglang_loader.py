@@ -41,6 +41,8 @@ COMMON = "sglang/srt/utils/common.py"
 LAYER_UTILS = "sglang/srt/layers/utils/common.py"
 REGISTRY = "sglang/srt/layers/moe/quant_method_registry.py"
 QWEN35 = "sglang/srt/models/qwen3_5.py"
+QWEN3_MOE = "sglang/srt/models/qwen3_moe.py"
+QWEN3_NEXT = "sglang/srt/models/qwen3_next.py"
 
 # The loader paths issue 10 names; every supported version has them.
 LOADER = ["weight_loader", "_weight_loader_impl", "_load_w13", "_load_w2", "_load_per_tensor_weight_scale",
@@ -166,7 +168,15 @@ def build(root: str) -> types.SimpleNamespace:
     cls(LAYER, "FusedMoE", LOADER, LOADER_HELPERS, bases=["torch.nn.Module"])
     ns["FusedMoE"].__module__ = "sglang.srt.layers.moe.fused_moe_triton.layer"
     cls(QWEN35, "Qwen3_5MoeForCausalLM", ["load_weights"])
-    return types.SimpleNamespace(ns=ns, state=state, src=src, root=str(root),
+    # The other Qwen families' own name mapping (model level: tests/test_real_checkpoints.py)
+    models = {"qwen3_5_moe": ns["Qwen3_5MoeForCausalLM"]}
+    for family, rel, name in (("qwen3_moe", QWEN3_MOE, "Qwen3MoeForCausalLM"),
+                              ("qwen3_next", QWEN3_NEXT, "Qwen3NextForCausalLM")):
+        if src.has(rel, name):
+            cls(rel, name, ["load_weights"])
+            models[family] = ns[name]
+    ns["models_by_family"] = models
+    return types.SimpleNamespace(ns=ns, state=state, src=src, root=str(root), models=models,
                                  **{k: ns[k] for k in ("FusedMoE", "Fp8MoEMethod", "UnquantizedFusedMoEMethod",
                                                        "CompressedTensorsW8A8Fp8MoE", "Qwen3_5MoeForCausalLM")})
 
@@ -256,12 +266,15 @@ class ExpertsModel(torch.nn.Module):
             self.model.layers[str(layer)] = block
         self.config = types.SimpleNamespace(num_experts=num_experts)
         self.enable_shared_expert_fusion, self.num_fused_shared_experts = False, 0
+        self.routed_experts_weights_of_layer = None  # qwen3_moe.py's load_weights sets it when absent
 
 
-def load(o, weights: list[tuple[str, torch.Tensor]], experts: dict[int, torch.nn.Module], num_experts: int):
-    """Checkpoint tensors (name, tensor) through Qwen3.5's own load_weights into `experts`."""
+def load(o, weights: list[tuple[str, torch.Tensor]], experts: dict[int, torch.nn.Module], num_experts: int,
+         family: str = "qwen3_5_moe"):
+    """Checkpoint tensors (name, tensor) through the family's own load_weights (Qwen3.5's
+    by default) into `experts`."""
     model = ExpertsModel(experts, num_experts)
-    o.Qwen3_5MoeForCausalLM.load_weights(model, iter(weights))
+    o.models[family].load_weights(model, iter(weights))
     return model
 
 
