@@ -202,45 +202,72 @@ def _sglang_family(family: str) -> str:
 
 def _expert_weights(root: Path) -> list[tuple[str, torch.Tensor]]:
     with safe_open(str(root / "model.safetensors"), "pt") as f:
-        return [(n, f.get_tensor(n)) for n in sorted(f.keys()) if ".mlp.experts." in n or n.endswith(".mlp.experts")
-                or ".mlp.experts.gate_up_proj" in n or ".mlp.experts.down_proj" in n]
+        return [(n, f.get_tensor(n)) for n in sorted(f.keys()) if ".mlp.experts." in n or ".mlp.shared_experts." in n]
 
 
-def _load_all_layers(sl, o, ckpt, root: Path, family: str, rank: int):
+def _load_all_layers(sl, o, ckpt, root: Path, family: str, rank: int, fused_shared: int = 0):
     spec = ckpt.spec
     fmt, qm = spec.fmt, spec.quant_method
-    layers = {L: sl.make_layer(o, layer_id=L, num_experts=spec.num_experts, hidden=spec.hidden_size,
+    layers = {L: sl.make_layer(o, layer_id=L, num_experts=spec.num_experts + fused_shared, hidden=spec.hidden_size,
                                intermediate=spec.intermediate_size, tp_size=2, ep_size=1, tp_rank=rank, fmt=fmt,
                                quant_method=qm, block=spec.block) for L in spec.moe_layers}
     for m in layers.values():
         for p in m.parameters():  # anything the model's mapping does not fill shows
             _bytes(p.data).fill_(0xA5)
-    sl.load(o, _expert_weights(root), layers, spec.num_experts, family=_sglang_family(family))
+    sl.load(o, _expert_weights(root), layers, spec.num_experts, family=_sglang_family(family), fused_shared=fused_shared)
     return layers
 
 
-QWEN_INDEXED = [c for c in INDEXED if c[1] != "deepseek_v3"]
-
-
-@pytest.mark.parametrize("case", QWEN_INDEXED, ids=" / ".join)
+@pytest.mark.parametrize("case", INDEXED, ids=" / ".join)
 def test_sglang_model_mapping_fills_what_the_index_expects(sglang, written, case):
-    """The installed SGLang model class's own load_weights (qwen3_moe.py, qwen3_next.py,
-    qwen3_5.py) maps the real writer's names onto every FusedMoE parameter, equal byte for
-    byte to moetrace's shards (the routed experts: SGLang fuses no Qwen shared expert on CUDA)."""
+    """The installed SGLang model class's own name mapping (qwen3_moe.py, qwen3_next.py,
+    qwen3_5.py load_weights; DeepSeek's do_load_weights with its shared expert fused into
+    the last slot) maps the real writer's names onto every FusedMoE parameter, equal byte
+    for byte to moetrace's shards. Qwen shared experts are not fused on CUDA: routed only."""
     sl, o = sglang
     writer, family, fmt = case
     root = written(case)
     ckpt = open_checkpoint(root)
+    shared = ckpt.spec.shared_experts if family == "deepseek_v3" else 0
     for rank in range(2):
-        layers = _load_all_layers(sl, o, ckpt, root, family, rank)
+        layers = _load_all_layers(sl, o, ckpt, root, family, rank, fused_shared=shared)
         for L, m in layers.items():
-            want = expected_experts(ckpt, L, rank, Parallel(2), experts=range(ckpt.spec.num_experts))
+            want = expected_experts(ckpt, L, rank, Parallel(2), experts=range(ckpt.spec.num_experts + shared))
             held = {n: p.data for n, p in m.named_parameters()}
             assert set(held) == set(want), (case, sorted(held), sorted(want))
             for name, w in want.items():
                 g = held[name]
                 assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(_bytes(g), _bytes(w)), \
                     f"{case} rank {rank} layer {L} {name}"
+
+
+def test_sglang_skips_fused_deepseek_scale_inv(sglang, written):
+    """The refusal's premise, from deepseek_weight_loader.py itself: transformers' fused
+    FP8 scale names (gate_up_proj_scale_inv) fill no scale; renamed to the _scale it maps,
+    the same checkpoint indexes and equals SGLang's load."""
+    sl, o = sglang
+    root = written(("transformers", "deepseek_v3", "fp8 block fused"))
+    with safe_open(str(root / "model.safetensors"), "pt") as f:
+        tensors, metadata = {n: f.get_tensor(n) for n in f.keys()}, f.metadata()
+    renamed = root.parent / (root.name + "-renamed")
+    renamed.mkdir()
+    (renamed / "config.json").write_text((root / "config.json").read_text())
+    from safetensors.torch import save_file
+    save_file({n.replace("_proj_scale_inv", "_proj_scale") if ".mlp.experts." in n else n: t
+               for n, t in tensors.items()}, str(renamed / "model.safetensors"), metadata=metadata)
+    ckpt = open_checkpoint(renamed)
+    assert ckpt.spec.fused_experts and ckpt.spec.fmt == "fp8_block" and ckpt.spec.shared_experts == 1
+    layers = _load_all_layers(sl, o, ckpt, root, "deepseek_v3", 0, fused_shared=1)  # the _scale_inv names
+    E = ckpt.spec.num_experts
+    for m in layers.values():  # routed weights land, their scales do not (the fused shared expert's do)
+        for scale in (m.w13_weight_scale_inv, m.w2_weight_scale_inv):
+            assert bool((_bytes(scale.data[:E]) == 0xA5).all()) and not bool((_bytes(scale.data[E:]) == 0xA5).all())
+        assert not bool((_bytes(m.w13_weight.data[:E]) == 0xA5).all())
+    layers = _load_all_layers(sl, o, ckpt, renamed, "deepseek_v3", 1, fused_shared=1)
+    for L, m in layers.items():
+        want = expected_experts(ckpt, L, 1, Parallel(2))
+        for name, p in m.named_parameters():
+            assert torch.equal(_bytes(p.data), _bytes(want[name])), name
 
 
 def test_sglang_skips_fused_qwen3_moe_names(sglang, written):
