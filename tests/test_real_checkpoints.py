@@ -185,15 +185,18 @@ def test_docs_table_is_the_behaviour():
 
 # ------------------------------------------------- SGLang's own name mapping (model level)
 
-@pytest.fixture(scope="session")
-def sglang():
+@pytest.fixture(scope="session", params=["sglang", "sglang-kt"])
+def sglang(request):
+    """(support.sglang_loader, its build of upstream sglang 0.5.23 or the KT fork 0.7.2)."""
     from support import sglang_loader as sl
-    from support.sglang_source import installed_root
+    from support.sglang_source import fork_root, installed_root
 
-    root = installed_root("sglang")
+    root = installed_root("sglang") if request.param == "sglang" else fork_root()
     if root is None:
-        pytest.skip("sglang 0.5.23 not installed (make venv installs it with --no-deps)")
-    return sl, sl.build(str(root))
+        pytest.skip(f"{request.param} not installed (make venv installs it)")
+    o = sl.build(str(root))
+    o.dist = request.param
+    return sl, o
 
 
 def _sglang_family(family: str) -> str:
@@ -231,6 +234,11 @@ def test_sglang_model_mapping_fills_what_the_index_expects(sglang, written, case
     shared = ckpt.spec.shared_experts if family == "deepseek_v3" else 0
     for rank in range(2):
         layers = _load_all_layers(sl, o, ckpt, root, family, rank, fused_shared=shared)
+        if o.dist == "sglang-kt" and family == "deepseek_v3" and ckpt.spec.fused_experts:
+            # docs/checkpoints.md: the fork's DeepSeek loader skips fused names (routed slots stay unwritten)
+            for m in layers.values():
+                assert bool((_bytes(m.w13_weight.data[: ckpt.spec.num_experts]) == 0xA5).all())
+            continue
         for L, m in layers.items():
             want = expected_experts(ckpt, L, rank, Parallel(2), experts=range(ckpt.spec.num_experts + shared))
             held = {n: p.data for n, p in m.named_parameters()}
@@ -242,10 +250,13 @@ def test_sglang_model_mapping_fills_what_the_index_expects(sglang, written, case
 
 
 def test_sglang_skips_fused_deepseek_scale_inv(sglang, written):
-    """The refusal's premise, from deepseek_weight_loader.py itself: transformers' fused
+    """Upstream only (the fork maps no fused DeepSeek name at all).
+    The refusal's premise, from deepseek_weight_loader.py itself: transformers' fused
     FP8 scale names (gate_up_proj_scale_inv) fill no scale; renamed to the _scale it maps,
     the same checkpoint indexes and equals SGLang's load."""
     sl, o = sglang
+    if o.dist != "sglang":
+        pytest.skip("the fork maps no fused DeepSeek names (test_sglang_model_mapping_fills_what_the_index_expects)")
     root = written(("transformers", "deepseek_v3", "fp8 block fused"))
     with safe_open(str(root / "model.safetensors"), "pt") as f:
         tensors, metadata = {n: f.get_tensor(n) for n in f.keys()}, f.metadata()

@@ -176,7 +176,7 @@ def build(root: str) -> types.SimpleNamespace:
         if src.has(rel, name):
             cls(rel, name, ["load_weights"])
             models[family] = ns[name]
-    if src.exists(DEEPSEEK_LOADER) and src.has(DEEPSEEK_LOADER, "_load_fused_expert_tensor"):  # upstream 0.5.23
+    if src.exists(DEEPSEEK_LOADER):  # the DeepSeek V2/V3 weight-loading mixin
         _build_deepseek(src, ns)
         models["deepseek_v3"] = ns["DeepseekLoader"]
     ns["models_by_family"] = models
@@ -201,7 +201,9 @@ def _build_deepseek(src: Source, ns: dict) -> None:
                "_clone_if_runai_streamed_tensor": lambda t: t,
                "_resolve_quark_fp8_block_scale_name": lambda name, params: name})
     rel = DEEPSEEK_LOADER
-    src.run(rel, [src.top(rel, n) for n in ("_load_fused_expert_tensor", "NextNEnabledConfig", "NextNDisabledConfig")], ns)
+    # the fork (sglang-kt 0.7.2) has no _load_fused_expert_tensor: it maps no fused names
+    names = [n for n in ("_load_fused_expert_tensor", "NextNEnabledConfig", "NextNDisabledConfig") if src.has(rel, n)]
+    src.run(rel, [src.top(rel, n) for n in names], ns)
     src.run(rel, [src.members(rel, "DeepseekV2WeightLoaderMixin", ["do_load_weights", "_initialize_nextn_conf"])], ns)
 
     class DeepseekLoader:
