@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import types
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -17,6 +18,7 @@ from safetensors import safe_open
 
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.checkpoints.shards import Parallel, expected_experts
+from moetrace.checkpoints.spec import spec_from_config
 from moetrace.errors import MoetraceError
 from moetrace.fingerprint import fingerprint
 from support import hf_checkpoints as hf
@@ -38,6 +40,9 @@ CASES = {
     ("transformers", "qwen3_5_moe", "fp8 block fused"): None,
     ("transformers", "qwen3_5_moe_text", "fp8 block fused"): None,
     ("transformers", "deepseek_v3", "fp8 block fused"): "loader maps model.layers.1.mlp.experts.gate_up_proj_scale;",
+    # transformers 5.19 writes per-expert FP8 block scales squeezed ([2] for [2, 1])
+    ("transformers", "qwen3_5_moe", "fp8 block"): "scale shape [2] does not match weight_block_size [128, 128]",
+    ("transformers", "deepseek_v3", "fp8 block"): "scale shape [2] does not match weight_block_size [128, 128]",
     **{("llm-compressor", p.name.rsplit("-", 1)[0], p.name.rsplit("-", 1)[1].replace("_", " ")): None
        for p in hf.llmcompressor_outputs()},
 }
@@ -55,8 +60,9 @@ def written(tmp_path_factory):
                 made[case] = hf.DATA / f"{family}-{fmt.replace(' ', '_')}"
             else:
                 root = tmp_path_factory.mktemp(f"{family}-{fmt.replace(' ', '-')}")
-                made[case] = (hf.fp8_fused(root, family) if fmt.startswith("fp8")
-                              else hf.save_pretrained(root, family, fused=fmt.endswith("fused")))
+                fused = fmt.endswith("fused")
+                made[case] = (hf.fp8(root, family, fused) if fmt.startswith("fp8")
+                              else hf.save_pretrained(root, family, fused=fused))
         return made[case]
 
     return get
@@ -158,7 +164,8 @@ def test_indexes_with_independent_shards(written, case, tmp_path):
 def test_refused_by_name_where_sglang_does_not_load(written, case, tmp_path):
     root = written(case)
     with pytest.raises(MoetraceError, match=re.escape(CASES[case])):
-        open_checkpoint(root)
+        ckpt = open_checkpoint(root)  # names refused here, tensor shapes when first read
+        expected_experts(ckpt, ckpt.spec.moe_layers[-1], 0, Parallel(2))
     r = cli("index", root, "--tp", 2, "-o", tmp_path / "index.parquet", "--no-cache")
     one_line_error(r, CASES[case])
     assert not (tmp_path / "index.parquet").exists()
@@ -290,6 +297,17 @@ def test_sglang_skips_fused_qwen3_moe_names(sglang, written):
     for m in layers.values():
         for p in m.parameters():
             assert bool((_bytes(p.data) == 0xA5).all())
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "deepseek_v3"])
+def test_sglang_fails_on_squeezed_per_expert_fp8_scales(sglang, written, family):
+    """The refusal's premise: transformers' per-expert FP8 block scales ([2] for [2, 1])
+    fail FusedMoE's loader (it narrows the scale along its second dimension)."""
+    sl, o = sglang
+    root = written(("transformers", family, "fp8 block"))
+    sizes = types.SimpleNamespace(spec=spec_from_config(json.loads((root / "config.json").read_text()), root))
+    with pytest.raises(IndexError):
+        _load_all_layers(sl, o, sizes, root, family, 0, fused_shared=1 if family == "deepseek_v3" else 0)
 
 
 def test_sglang_fails_on_fused_qwen3_next_names(sglang, written):

@@ -3,21 +3,19 @@ installed transformers' own ``save_pretrained``, per-expert (``save_original_for
 the default) and fused 3-D (``save_original_format=False``), and the llm-compressor
 outputs committed under tests/data/llmcompressor (made by the script there).
 
-FP8 fused experts: transformers' FineGrainedFP8 quantizer needs a GPU, so the BF16 fused
-save is quantized here, block by block, into exactly the parameters transformers'
-``FP8Experts`` allocates (names, shapes and dtypes are checked against an instance),
-with the quantization_config FineGrainedFP8Config writes.
+FP8: transformers' FineGrainedFP8 quantizer needs a GPU, so the model is built with its
+own FP8 modules (``FP8Experts``, ``FP8Linear``) filled here with block-quantized random
+weights, and saved by ``save_pretrained`` like a quantized model: names, shapes, dtypes,
+the per-expert split and the quantization_config are transformers' own.
 """
 
 from __future__ import annotations
 
-import json
+import re
 import zlib
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "llmcompressor"
 H, I, E = 128, 256, 4  # I/2 = 128: FP8 blocks of 128 cut whole at TP2
@@ -82,35 +80,33 @@ def _quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Ten
     return q.reshape(w.shape), scale
 
 
-def fp8_fused(root: Path, family: str) -> Path:
-    """The fused BF16 save of `family`, its experts (routed 3-D and shared) quantized to
-    FP8 with block scales as FineGrainedFP8Config(weight_block_size=[128, 128]) stores them."""
-    from transformers.integrations.finegrained_fp8 import FP8Experts
+def fp8(root: Path, family: str, fused: bool) -> Path:
+    """A tiny random model of `family` as FineGrainedFP8Config(weight_block_size=[128, 128])
+    holds it (experts in transformers' own FP8Experts, shared-expert projections in its
+    FP8Linear, filled with block-quantized random weights), saved by save_pretrained
+    per-expert or fused."""
+    import transformers
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 
-    save_pretrained(root, family, fused=True)
-    path = root / "model.safetensors"
-    with safe_open(str(path), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-        metadata = f.metadata()
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-            out[name], out[name + "_scale_inv"] = _quantize_blocks(t, BLOCK)
-        elif ".shared_expert" in name and name.endswith("_proj.weight"):
-            out[name], out[name + "_scale_inv"] = _quantize_blocks(t, BLOCK)
-        else:
-            out[name] = t
-    cfg = json.loads((root / "config.json").read_text())
-    text = cfg.get("text_config", cfg)
-    held = {n: (tuple(p.shape), p.dtype) for n, p in FP8Experts(config(family).get_text_config(), BLOCK).named_parameters()}
-    stem = next(n for n in out if n.endswith("mlp.experts.gate_up_proj")).removesuffix("gate_up_proj")
-    written = {n.removeprefix(stem): (tuple(out[n].shape), out[n].dtype) for n in out if n.startswith(stem)}
-    assert written == held, f"FP8Experts holds {held}, written {written}"
-    save_file(out, str(path), metadata=metadata)
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK),
-                                  "modules_to_not_convert": None}
-    del text  # the config class keeps quantization_config at the top level
-    (root / "config.json").write_text(json.dumps(cfg, indent=2))
+    torch.manual_seed(zlib.crc32(f"{family} fp8".encode()))
+    cfg = config(family)
+    cfg.architectures = [ARCHS[family]]
+    model = getattr(transformers, ARCHS[family])(cfg).to(torch.bfloat16)
+    text = cfg.get_text_config()
+    for name, module in list(model.named_modules()):
+        if name.endswith("mlp.experts") and hasattr(module, "gate_up_proj"):
+            held = FP8Experts(text, block_size=BLOCK)
+            for proj in ("gate_up_proj", "down_proj"):
+                q, scale = _quantize_blocks(getattr(module, proj).data, BLOCK)
+                getattr(held, proj).data, getattr(held, f"{proj}_scale_inv").data = q, scale
+            model.set_submodule(name, held)
+        elif re.search(r"\.shared_experts?\.(gate|up|down)_proj$", name) and isinstance(module, torch.nn.Linear):
+            held = FP8Linear(module.in_features, module.out_features, block_size=BLOCK)
+            held.weight.data, held.weight_scale_inv.data = _quantize_blocks(module.weight.data, BLOCK)
+            model.set_submodule(name, held)
+    model.config.quantization_config = FineGrainedFP8Config(weight_block_size=list(BLOCK))
+    model.save_pretrained(root, save_original_format=not fused)
     return root
 
 
