@@ -40,9 +40,11 @@ CASES = {
     ("transformers", "qwen3_5_moe", "fp8 block fused"): None,
     ("transformers", "qwen3_5_moe_text", "fp8 block fused"): None,
     ("transformers", "deepseek_v3", "fp8 block fused"): "loader maps model.layers.1.mlp.experts.gate_up_proj_scale;",
-    # transformers 5.19 writes per-expert FP8 block scales squeezed ([2] for [2, 1])
-    ("transformers", "qwen3_5_moe", "fp8 block"): "scale shape [2] does not match weight_block_size [128, 128]",
-    ("transformers", "deepseek_v3", "fp8 block"): "scale shape [2] does not match weight_block_size [128, 128]",
+    ("transformers", "qwen3_5_moe", "fp8 block"): None,
+    ("transformers", "deepseek_v3", "fp8 block"): None,
+    # with one scale block across H, transformers 5.19 writes per-expert FP8 scales squeezed ([2] for [2, 1])
+    ("transformers", "qwen3_5_moe", "fp8 block, hidden 128"): "scale shape [2] does not match weight_block_size",
+    ("transformers", "deepseek_v3", "fp8 block, hidden 128"): "scale shape [2] does not match weight_block_size",
     **{("llm-compressor", p.name.rsplit("-", 1)[0], p.name.rsplit("-", 1)[1].replace("_", " ")): None
        for p in hf.llmcompressor_outputs()},
 }
@@ -59,9 +61,10 @@ def written(tmp_path_factory):
             if writer == "llm-compressor":
                 made[case] = hf.DATA / f"{family}-{fmt.replace(' ', '_')}"
             else:
-                root = tmp_path_factory.mktemp(f"{family}-{fmt.replace(' ', '-')}")
+                root = tmp_path_factory.mktemp(f"{family}-{re.sub('[^a-z0-9]+', '-', fmt)}")
                 fused = fmt.endswith("fused")
-                made[case] = (hf.fp8(root, family, fused) if fmt.startswith("fp8")
+                hidden = 128 if fmt.endswith("hidden 128") else 256
+                made[case] = (hf.fp8(root, family, fused, hidden) if fmt.startswith("fp8")
                               else hf.save_pretrained(root, family, fused=fused))
         return made[case]
 
@@ -304,7 +307,7 @@ def test_sglang_fails_on_squeezed_per_expert_fp8_scales(sglang, written, family)
     """The refusal's premise: transformers' per-expert FP8 block scales ([2] for [2, 1])
     fail FusedMoE's loader (it narrows the scale along its second dimension)."""
     sl, o = sglang
-    root = written(("transformers", family, "fp8 block"))
+    root = written(("transformers", family, "fp8 block, hidden 128"))
     sizes = types.SimpleNamespace(spec=spec_from_config(json.loads((root / "config.json").read_text()), root))
     with pytest.raises(IndexError):
         _load_all_layers(sl, o, sizes, root, family, 0, fused_shared=1 if family == "deepseek_v3" else 0)

@@ -34,8 +34,11 @@ ARCHS = {
 }
 
 
-def config(family: str):
+def config(family: str, hidden: int = H):
     import transformers
+
+    if hidden != H:
+        return _with_hidden(config(family), hidden)
 
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**_COMMON, num_hidden_layers=2, num_experts=E)
@@ -55,6 +58,14 @@ def config(family: str):
             n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16,
             qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1, num_nextn_predict_layers=0)
     raise ValueError(family)
+
+
+def _with_hidden(cfg, hidden: int):
+    for c in {id(cfg): cfg, id(cfg.get_text_config()): cfg.get_text_config()}.values():
+        c.hidden_size = hidden
+    if hasattr(cfg, "vision_config"):
+        cfg.vision_config.out_hidden_size = hidden
+    return cfg
 
 
 def save_pretrained(root: Path, family: str, fused: bool) -> Path:
@@ -80,17 +91,18 @@ def _quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Ten
     return q.reshape(w.shape), scale
 
 
-def fp8(root: Path, family: str, fused: bool) -> Path:
+def fp8(root: Path, family: str, fused: bool, hidden: int = 2 * H) -> Path:
     """A tiny random model of `family` as FineGrainedFP8Config(weight_block_size=[128, 128])
     holds it (experts in transformers' own FP8Experts, shared-expert projections in its
     FP8Linear, filled with block-quantized random weights), saved by save_pretrained
-    per-expert or fused."""
+    per-expert or fused. hidden 128 (one scale block across H) shows the per-expert save's
+    squeezed scales."""
     import transformers
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 
     torch.manual_seed(zlib.crc32(f"{family} fp8".encode()))
-    cfg = config(family)
+    cfg = config(family, hidden)
     cfg.architectures = [ARCHS[family]]
     model = getattr(transformers, ARCHS[family])(cfg).to(torch.bfloat16)
     text = cfg.get_text_config()
