@@ -34,8 +34,10 @@ def shared_expert_count(spec: MoESpec, tensors: Mapping[str, object]) -> int:
     (weights and scales of the spec's format), else 0. `tensors`: name -> an object
     with ``dtype`` (safetensors string) and ``shape``."""
     module = SHARED_EXPERT_MODULES.get(spec.family)
-    if module is None or spec.fused_experts:
+    if module is None:
         return 0
+    # A fused 3-D checkpoint keeps its shared expert per-module too, and SGLang fuses
+    # it the same way (mlp.shared_experts -> mlp.experts.{num_experts}.*).
     weight_dtype = "F8_E4M3" if spec.fmt.startswith("fp8") else "BF16"
     for layer in spec.moe_layers:
         for proj, shape in _shapes(spec).items():

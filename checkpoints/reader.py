@@ -84,7 +84,7 @@ class Checkpoint:
         kinds = f"weight|{spec.scale_suffix}" if spec.scale_suffix else "weight"
         self._expert_re = re.compile(
             rf"^{re.escape(spec.prefix)}\.layers\.\d+\.mlp\.(?:experts\.|shared_experts?\.)"
-            rf"(?:(?:\d+\.)?(gate|up|down)_proj\.({kinds})|(gate_up|down)_proj)$"
+            rf"(?:(?:\d+\.)?(gate|up|down)_proj\.({kinds})|(gate_up|down)_proj(_scale_inv|_scale)?)$"
         )
 
     # -- metadata ---------------------------------------------------------------
@@ -121,11 +121,17 @@ class Checkpoint:
         H, I, E = s.hidden_size, s.intermediate_size, s.num_experts
         sizes = f"hidden_size {H}, moe_intermediate_size {I}"
         weight_dtype = ("F8_E4M3",) if s.fmt.startswith("fp8") else ("BF16",)
-        proj, kind, fused = m.groups()
-        if fused == "gate_up":
-            return ("BF16",), [(E, 2 * I, H)], f"num_experts {E}, {sizes}"
-        if fused == "down":
-            return ("BF16",), [(E, H, I)], f"num_experts {E}, {sizes}"
+        proj, kind, fused, fused_scale = m.groups()
+        if fused:
+            out, inp = (2 * I, H) if fused == "gate_up" else (H, I)
+            if not fused_scale:
+                return weight_dtype, [(E, out, inp)], f"num_experts {E}, {sizes}"
+            if s.fmt != "fp8_block":
+                return None  # refused with the spec (spec._verify_fused)
+            bn, bk = s.block
+            # gate and up each in whole block_n blocks, stacked (SGLang splits with chunk(2, dim=-2))
+            rows = 2 * -(-I // bn) if fused == "gate_up" else -(-H // bn)
+            return SCALE_DTYPES, [(E, rows, -(-inp // bk))], f"num_experts {E}, weight [{E}, {out}, {inp}] in blocks {list(s.block)}"
         out, inp = (H, I) if proj == "down" else (I, H)
         if kind == "weight":
             return weight_dtype, [(out, inp)], sizes
@@ -343,7 +349,8 @@ def _check_expert_coverage(spec: MoESpec, tensors: dict[str, TensorInfo], root: 
     missing = []
     for layer in spec.moe_layers:
         if spec.fused_experts:
-            names = [fused_tensor_name(spec, layer, w) for w in ("gate_up", "down")]
+            kinds = ("weight",) if spec.scale_suffix is None else ("weight", "scale")
+            names = [fused_tensor_name(spec, layer, w, k) for w in ("gate_up", "down") for k in kinds]
         else:
             kinds = ("weight",) if spec.scale_suffix is None else ("weight", "scale")
             names = [

@@ -248,16 +248,31 @@ def _expert_unfused(ckpt: Checkpoint, layer: int, expert: int, c: _Cut) -> dict[
 
 
 def _experts_fused(ckpt: Checkpoint, layer: int, experts: range, c: _Cut) -> dict[str, torch.Tensor]:
-    """Fused 3-D BF16 layout: gate_up_proj [E, 2I, H] (gate rows first on dim -2),
-    down_proj [E, H, I]. One read per half for all local experts at once."""
+    """Fused 3-D layout: gate_up_proj [E, 2I, H] (gate rows first on dim -2),
+    down_proj [E, H, I], and with FP8 block scales gate_up_proj's [E, 2*ceil(I/bn),
+    ceil(H/bk)] (gate blocks first) and down_proj's [E, ceil(H/bn), ceil(I/bk)]. One
+    read per half for all local experts at once."""
     spec = ckpt.spec
+    I = spec.intermediate_size
     gate_up, down = fused_tensor_name(spec, layer, "gate_up"), fused_tensor_name(spec, layer, "down")
     e = (experts.start, experts.stop)
-    offset = {"gate": 0, "up": spec.intermediate_size}
+    offset = {"gate": 0, "up": I}
     halves = [_pad(ckpt.read(gate_up, rows=(e, (offset[p] + c.r0, offset[p] + c.r1))), c.size, 1)
               for p in (c.first, c.second)]
-    return {"w13_weight": torch.cat(halves, dim=1),
-            "w2_weight": _pad(ckpt.read(down, rows=(e,), cols=(c.r0, c.r1)), c.size, 2)}
+    out = {"w13_weight": torch.cat(halves, dim=1),
+           "w2_weight": _pad(ckpt.read(down, rows=(e,), cols=(c.r0, c.r1)), c.size, 2)}
+    if spec.fmt == "fp8_block":
+        w13_scale, w2_scale = held_scale_names(spec.fmt, spec.quant_method)
+        bn, bk = spec.block
+        (s0, s1), n_rows = _blocks(c.r0, c.size, bn, -(-I // bn))
+        (k0, k1), n_cols = _blocks(c.r0, c.size, bk, -(-I // bk))
+        block_offset = {"gate": 0, "up": -(-I // bn)}
+        scales = fused_tensor_name(spec, layer, "gate_up", "scale")
+        out[w13_scale] = torch.cat([_pad(ckpt.read(scales, rows=(e, (block_offset[p] + s0, block_offset[p] + s1))),
+                                         n_rows, 1) for p in (c.first, c.second)], dim=1).to(torch.float32)
+        out[w2_scale] = _pad(ckpt.read(fused_tensor_name(spec, layer, "down", "scale"), rows=(e,), cols=(k0, k1)),
+                             n_cols, 2).to(torch.float32)
+    return {k: out[k] for k in tensor_names(spec)}
 
 
 def expected_expert(ckpt: Checkpoint, layer: int, expert: int, tp_rank: int, par: Parallel) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from moetrace.checkpoints.model_config import ALIASES, MODEL_TYPES, decoder_json, read_decoder_config
 from moetrace.checkpoints.quant_config import quant_format, scale_suffix
 from moetrace.errors import MoetraceError
 from moetrace.schema import MAX_ID
@@ -21,6 +22,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "model"),
     "Qwen3NextForCausalLM": ("qwen3_next", "model"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "model.language_model"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", "model"),  # Qwen3.5's text-only model (sglang models/qwen3_5_text.py)
     "DeepseekV3ForCausalLM": ("deepseek_v3", "model"),
 }
 FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3")
@@ -56,6 +58,20 @@ class MoESpec:
         return scale_suffix(self.fmt, self.quant_method)
 
 
+# Fused 3-D expert tensors (mlp.experts.gate_up_proj [E, 2I, H], gate rows first, and
+# mlp.experts.down_proj [E, H, I]) as each family's SGLang model class maps them onto
+# w13_*/w2_* (sglang 0.5.23): the suffix of the FP8 block scales it maps (onto
+# w13/w2_weight_scale_inv), or why it maps no fused names at all.
+FUSED_SCALE_SUFFIX = {
+    "qwen3_5_moe": "_scale_inv",  # models/qwen3_5.py: experts.gate_up_proj* split with chunk(2, dim=-2)
+    "deepseek_v3": "_scale",  # deepseek_common/deepseek_weight_loader.py: _load_fused_expert_tensor
+}
+FUSED_NOT_MAPPED = {
+    "qwen3_moe": "SGLang's models/qwen3_moe.py maps per-expert names only and skips fused ones: the server would "
+                 "hold no expert weights",
+    "qwen3_next": "SGLang's models/qwen3_next.py maps per-expert names only; a fused name fails its load",
+}
+
 SHARED_EXPERT_MODULES = {"deepseek_v3": "shared_experts", "qwen3_next": "shared_expert", "qwen3_5_moe": "shared_expert"}
 
 
@@ -75,9 +91,11 @@ def expert_tensor_name(spec: MoESpec, layer: int, expert: int, proj: str, kind: 
     return f"{spec.prefix}.layers.{layer}.mlp.experts.{expert}.{proj}_proj.{suffix}"
 
 
-def fused_tensor_name(spec: MoESpec, layer: int, which: str) -> str:
-    """Checkpoint name of a fused 3-D expert tensor; which in ("gate_up", "down")."""
-    return f"{spec.prefix}.layers.{layer}.mlp.experts.{which}_proj"
+def fused_tensor_name(spec: MoESpec, layer: int, which: str, kind: str = "weight") -> str:
+    """Checkpoint name of a fused 3-D expert tensor; which in ("gate_up", "down"),
+    kind "weight" | "scale" (FP8 block scales, named as the family's loader maps them)."""
+    name = f"{spec.prefix}.layers.{layer}.mlp.experts.{which}_proj"
+    return name if kind == "weight" else name + FUSED_SCALE_SUFFIX[spec.family]
 
 
 def is_ignored(name: str) -> bool:
@@ -120,7 +138,8 @@ def moe_layers_from_config(family: str, text: Mapping, where: str) -> tuple[int,
 _FORMAT_WORDS = {"fp8_block": "block scales", "fp8_channel": "per-channel scales", "fp8_tensor": "per-tensor scales"}
 
 
-def _check_sizes_held(prefix: str, sizes: dict[str, int], tensors: Mapping[str, str] | None, where: str) -> None:
+def _check_sizes_held(prefix: str, sizes: dict[str, int], tensors: Mapping[str, str] | None, where: str,
+                      defaulted: set[str] = frozenset()) -> None:
     """Sizes in config.json are checked before anything is sized by them: never above
     schema.MAX_ID, and (given the tensor names) never above what the safetensors files
     hold: a layer count past the last layer with tensors, an expert count past the last
@@ -148,8 +167,9 @@ def _check_sizes_held(prefix: str, sizes: dict[str, int], tensors: Mapping[str, 
             continue  # fused 3-D experts: the stacked dimension is checked against the config by shape
         if n > have:
             ids = f"{what} 0-{have - 1}" if have > 0 else f"no {what}"
-            raise MoetraceError(f"{where}: '{key}' is {n:,} but the safetensors files hold {ids} only: the config "
-                                "and the weights disagree")
+            default = " (transformers' default: the file does not set it)" if key in defaulted else ""
+            raise MoetraceError(f"{where}: '{key}' is {n:,}{default} but the safetensors files hold {ids} only: the "
+                                "config and the weights disagree")
 
 
 _DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn"}
@@ -172,22 +192,18 @@ def spec_from_config(config: Mapping, path: str | Path, tensors: Mapping[str, st
             f"{where}: architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     family, prefix = ARCHITECTURES[arch]
-    text = config
-    if family == "qwen3_5_moe":
-        # Qwen3.5 is a vision-language wrapper: decoder keys live in text_config.
-        text = config.get("text_config")
-        if not isinstance(text, Mapping):
-            raise MoetraceError(f"{where}: {arch} needs a 'text_config' object")
-        where_text = f"{where} (text_config)"
-    else:
-        where_text = where
+    raw_text, where_text = decoder_json(config, arch, where)
+    # The sizes as SGLang sees them (transformers' attribute maps and defaults).
+    text = read_decoder_config(config, arch, where)
     experts_key = "n_routed_experts" if family == "deepseek_v3" else "num_experts"
     num_experts = _int(text, experts_key, where_text)
     if num_experts < 1:
         raise MoetraceError(f"{where_text}: the number of routed experts must be >= 1, found {num_experts}")
+    aliases = ALIASES.get(MODEL_TYPES[arch][1], {})
+    defaulted = {k for k in ("num_hidden_layers", experts_key) if not any(a in raw_text for a in aliases.get(k, (k,)))}
     _check_sizes_held(prefix, {"num_hidden_layers": _int(text, "num_hidden_layers", where_text),
-                               experts_key: num_experts}, tensors, where_text)
-    q = quant_format(config, text, where)
+                               experts_key: num_experts}, tensors, where_text, defaulted)
+    q = quant_format(config, raw_text, where)
     spec = MoESpec(
         arch=arch,
         family=family,
@@ -225,8 +241,8 @@ def verify_against_tensors(spec: MoESpec, tensors: Mapping[str, str], where: str
             f"{where}: {spec.arch} expects expert tensor {unfused} (or fused {fused}) but the checkpoint has neither"
         )
     has_inv, has_scale = f"{stem}.0.gate_proj.weight_scale_inv" in tensors, f"{stem}.0.gate_proj.weight_scale" in tensors
-    if is_fused and (spec.fmt != "bf16" or f"{fused}_scale_inv" in tensors or f"{fused}_scale" in tensors):
-        raise MoetraceError(f"{where}: fused expert tensors ({fused}) are supported for BF16 only, config says {spec.fmt}")
+    if is_fused:
+        return _verify_fused(spec, tensors, fused, where)
     if spec.scale_suffix is not None and f"{stem}.0.gate_proj.{spec.scale_suffix}" not in tensors:
         other = "weight_scale" if spec.scale_suffix == "weight_scale_inv" else "weight_scale_inv"
         found = f"; it has {stem}.0.gate_proj.{other}" if (has_scale or has_inv) else ""
@@ -244,3 +260,29 @@ def verify_against_tensors(spec: MoESpec, tensors: Mapping[str, str], where: str
         scale_name = f"{stem}.0.gate_proj.{spec.scale_suffix}"
         scale_dtype = _DTYPE_NAMES.get(tensors[scale_name], tensors[scale_name])
     return replace(spec, fused_experts=is_fused, scale_dtype=scale_dtype)
+
+
+def _verify_fused(spec: MoESpec, tensors: Mapping[str, str], fused: str, where: str) -> MoESpec:
+    """Fused 3-D experts, where the family's SGLang loader maps them: BF16, or FP8
+    block scales under the name it maps. Anything else is refused by name: SGLang
+    would skip it (and hold no scale) or fail."""
+    if spec.family in FUSED_NOT_MAPPED:
+        raise MoetraceError(f"{where}: {fused}: fused expert tensors in a {spec.arch} checkpoint; "
+                            f"{FUSED_NOT_MAPPED[spec.family]}")
+    scales = [f"{fused}{suffix}" for suffix in ("_scale_inv", "_scale", "_weight_scale") if f"{fused}{suffix}" in tensors]
+    mapped = f"{fused}{FUSED_SCALE_SUFFIX[spec.family]}"
+    if spec.fmt == "bf16":
+        if scales:
+            raise MoetraceError(f"{where}: no quantization_config but the checkpoint has FP8 scales ({scales[0]})")
+    elif spec.fmt != "fp8_block" or spec.quant_method != "fp8":
+        raise MoetraceError(f"{where}: fused expert tensors ({fused}) with {spec.fmt} ({spec.quant_method}) scales: "
+                            f"SGLang maps fused FP8 experts with block scales (quant_method fp8, weight_block_size) only")
+    elif mapped not in tensors:
+        found = f"it has {scales[0]}, which" if scales else "it has no fused scale, and"
+        raise MoetraceError(f"{where}: fused FP8 expert scales: SGLang's {spec.arch} loader maps {mapped}; {found} "
+                            "SGLang does not load (the server would hold no scales)")
+    want = "F8_E4M3" if spec.fmt.startswith("fp8") else "BF16"
+    if tensors[fused] != want:
+        raise MoetraceError(f"{where}: format {spec.fmt} needs {want} expert weights but {fused} is {tensors[fused]}")
+    scale_dtype = _DTYPE_NAMES.get(tensors[mapped], tensors[mapped]) if spec.fmt != "bf16" else None
+    return replace(spec, fused_experts=True, scale_dtype=scale_dtype)

@@ -16,7 +16,7 @@ import torch
 
 from moetrace.checkpoints.quant_config import QUANT_METHODS, scale_suffix
 from moetrace import storage
-from moetrace.checkpoints.spec import FAMILIES, FORMATS
+from moetrace.checkpoints.spec import FAMILIES, FORMATS, FUSED_NOT_MAPPED
 from moetrace.errors import MoetraceError
 
 PROJ_NAMES = ("gate", "up", "down")  # proj ids 0, 1, 2
@@ -207,6 +207,7 @@ def _check_arguments(family, fmt, quant_method, block, scale_dtype, fused, sizes
         (0 <= dense_layers < num_layers,
          f"--dense-layers {dense_layers} must be in [0, --layers {num_layers}) so at least one layer is MoE"),
         (not fused or fmt == "bf16", f"--fused writes the BF16 3-D layout; it needs --format bf16, got {fmt}"),
+        (not fused or family not in FUSED_NOT_MAPPED, f"--fused for {family}: {FUSED_NOT_MAPPED.get(family)}"),
         (not draft or family == "qwen3_5_moe", f"a draft model (mtp.*) is written for qwen3_5_moe only, got {family}"),
         (not shared_expert or family != "qwen3_moe", "qwen3_moe has no shared expert"),
     ]  # fmt: skip

@@ -26,6 +26,13 @@ for path in (HERE, os.path.join(os.path.dirname(HERE), "bench")):
 # start on two cores, and OpenMP threads spinning for a busy core cost more than KB-sized
 # tensors gain from them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Without a GPU, Triton runs interpreted, and it reads TRITON_INTERPRET when first imported:
+# set it before anything imports triton (transformers' config classes import torch._dynamo,
+# which imports it), or test_fingerprint_triton's interpreted kernel fails in that worker.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["PYTHONPATH"] = os.pathsep.join([HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 

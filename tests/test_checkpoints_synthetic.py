@@ -113,6 +113,9 @@ def test_stored_values_are_synthetic_values(make_ckpt, fmt, fused):
 def test_writer_refuses_bad_arguments(tmp_path):
     with pytest.raises(MoetraceError, match="--fused .* needs --format bf16"):
         write_synthetic_checkpoint(tmp_path / "a", fmt="fp8_block", fused=True)
+    # what SGLang does not load, moetrace does not write either (docs/checkpoints.md)
+    with pytest.raises(MoetraceError, match="--fused for qwen3_moe: SGLang's models/qwen3_moe.py maps per-expert"):
+        write_synthetic_checkpoint(tmp_path / "c", family="qwen3_moe", fmt="bf16", fused=True)
     with pytest.raises(MoetraceError, match="--family must be one of"):
         write_synthetic_checkpoint(tmp_path / "a", family="llama")
     (tmp_path / "b").mkdir()

@@ -41,6 +41,9 @@ COMMON = "sglang/srt/utils/common.py"
 LAYER_UTILS = "sglang/srt/layers/utils/common.py"
 REGISTRY = "sglang/srt/layers/moe/quant_method_registry.py"
 QWEN35 = "sglang/srt/models/qwen3_5.py"
+QWEN3_MOE = "sglang/srt/models/qwen3_moe.py"
+QWEN3_NEXT = "sglang/srt/models/qwen3_next.py"
+DEEPSEEK_LOADER = "sglang/srt/models/deepseek_common/deepseek_weight_loader.py"
 
 # The loader paths issue 10 names; every supported version has them.
 LOADER = ["weight_loader", "_weight_loader_impl", "_load_w13", "_load_w2", "_load_per_tensor_weight_scale",
@@ -166,9 +169,57 @@ def build(root: str) -> types.SimpleNamespace:
     cls(LAYER, "FusedMoE", LOADER, LOADER_HELPERS, bases=["torch.nn.Module"])
     ns["FusedMoE"].__module__ = "sglang.srt.layers.moe.fused_moe_triton.layer"
     cls(QWEN35, "Qwen3_5MoeForCausalLM", ["load_weights"])
-    return types.SimpleNamespace(ns=ns, state=state, src=src, root=str(root),
+    # The other Qwen families' own name mapping (model level: tests/test_real_checkpoints.py)
+    models = {"qwen3_5_moe": ns["Qwen3_5MoeForCausalLM"]}
+    for family, rel, name in (("qwen3_moe", QWEN3_MOE, "Qwen3MoeForCausalLM"),
+                              ("qwen3_next", QWEN3_NEXT, "Qwen3NextForCausalLM")):
+        if src.has(rel, name):
+            cls(rel, name, ["load_weights"])
+            models[family] = ns[name]
+    if src.exists(DEEPSEEK_LOADER):  # the DeepSeek V2/V3 weight-loading mixin
+        _build_deepseek(src, ns)
+        models["deepseek_v3"] = ns["DeepseekLoader"]
+    ns["models_by_family"] = models
+    return types.SimpleNamespace(ns=ns, state=state, src=src, root=str(root), models=models,
                                  **{k: ns[k] for k in ("FusedMoE", "Fp8MoEMethod", "UnquantizedFusedMoEMethod",
                                                        "CompressedTensorsW8A8Fp8MoE", "Qwen3_5MoeForCausalLM")})
+
+
+def _build_deepseek(src: Source, ns: dict) -> None:
+    """DeepseekV2WeightLoaderMixin.do_load_weights and _load_fused_expert_tensor as they
+    are; the steps around them that touch no expert name stand in (no UE8M0 requant, no
+    NextN draft, no post-load MLA split), and the thread pool's submit runs the loader."""
+    import concurrent.futures
+    from dataclasses import dataclass
+
+    ns.update({"concurrent": concurrent, "dataclass": dataclass, "NVFP4_CKPT_FP8_ATTN_QUANT_MODULES": ["q_b_proj"],
+               "is_wint4afp8_or_wint4a16_config": lambda qc: False, "log_info_on_rank0": lambda *a, **k: None,
+               "should_async_load": lambda w: False, "_is_npu": False,
+               "maybe_executor_submit": lambda executor, futures, use_async, func, func_args=(), func_kwargs=None:
+               func(*func_args, **(func_kwargs or {})),
+               "_load_fused_indexer_wk": lambda *a, **k: False,
+               "_clone_if_runai_streamed_tensor": lambda t: t,
+               "_resolve_quark_fp8_block_scale_name": lambda name, params: name})
+    rel = DEEPSEEK_LOADER
+    # the fork (sglang-kt 0.7.2) has no _load_fused_expert_tensor: it maps no fused names
+    names = [n for n in ("_load_fused_expert_tensor", "NextNEnabledConfig", "NextNDisabledConfig") if src.has(rel, n)]
+    src.run(rel, [src.top(rel, n) for n in names], ns)
+    src.run(rel, [src.members(rel, "DeepseekV2WeightLoaderMixin", ["do_load_weights", "_initialize_nextn_conf"])], ns)
+
+    class DeepseekLoader:
+        """load_weights(model, weights) as DeepseekV2ForCausalLM.load_weights calls it."""
+
+        @staticmethod
+        def load_weights(model, weights):
+            mixin = ns["DeepseekV2WeightLoaderMixin"]
+            model._maybe_quant_weights_to_fp8_ue8m0 = lambda w, modules, conf: w
+            model.post_load_weights = lambda **kw: None
+            model.quant_config, model.pp_group = None, types.SimpleNamespace(is_last_rank=True)
+            model.config = types.SimpleNamespace(n_routed_experts=model.config.num_experts, q_lora_rank=None)
+            model._initialize_nextn_conf = types.MethodType(mixin._initialize_nextn_conf, model)
+            return mixin.do_load_weights(model, weights)
+
+    ns["DeepseekLoader"] = DeepseekLoader
 
 
 # ------------------------------------------------------------------ one rank's layer
@@ -256,12 +307,17 @@ class ExpertsModel(torch.nn.Module):
             self.model.layers[str(layer)] = block
         self.config = types.SimpleNamespace(num_experts=num_experts)
         self.enable_shared_expert_fusion, self.num_fused_shared_experts = False, 0
+        self.routed_experts_weights_of_layer = None  # qwen3_moe.py's load_weights sets it when absent
 
 
-def load(o, weights: list[tuple[str, torch.Tensor]], experts: dict[int, torch.nn.Module], num_experts: int):
-    """Checkpoint tensors (name, tensor) through Qwen3.5's own load_weights into `experts`."""
+def load(o, weights: list[tuple[str, torch.Tensor]], experts: dict[int, torch.nn.Module], num_experts: int,
+         family: str = "qwen3_5_moe", fused_shared: int = 0):
+    """Checkpoint tensors (name, tensor) through the family's own load_weights (Qwen3.5's
+    by default) into `experts`; fused_shared: shared experts SGLang fuses into the last
+    slot(s) (DeepSeek), the layers then hold num_experts + fused_shared slots."""
     model = ExpertsModel(experts, num_experts)
-    o.Qwen3_5MoeForCausalLM.load_weights(model, iter(weights))
+    model.num_fused_shared_experts = fused_shared
+    o.models[family].load_weights(model, iter(weights))
     return model
 
 

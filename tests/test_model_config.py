@@ -1,0 +1,104 @@
+"""The raw config reader answers as transformers' AutoConfig does (SGLang reads every
+config through it): over every supported family, the config.json transformers writes,
+each key left out (class defaults), and every alias spelling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moetrace.checkpoints import model_config as mc
+from moetrace.checkpoints.spec import ARCHITECTURES, spec_from_config
+from moetrace.errors import MoetraceError
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(hidden_size=64, num_hidden_layers=3, moe_intermediate_size=32)
+# architecture -> kwargs of the transformers config class (decoder keys)
+WRITTEN = {
+    "Qwen3MoeForCausalLM": dict(SMALL, num_experts=4, mlp_only_layers=[0], decoder_sparse_step=1),
+    "Qwen3NextForCausalLM": dict(SMALL, num_experts=4, shared_expert_intermediate_size=32),
+    "Qwen3_5MoeForCausalLM": dict(SMALL, num_experts=4, shared_expert_intermediate_size=32),
+    "Qwen3_5MoeForConditionalGeneration": dict(SMALL, num_experts=4, shared_expert_intermediate_size=32),
+    "DeepseekV3ForCausalLM": dict(SMALL, n_routed_experts=4, first_k_dense_replace=1, n_shared_experts=1),
+}
+
+
+def written(arch: str) -> dict:
+    """config.json as transformers' save_pretrained writes it (the diff to the class defaults)."""
+    model_type, decoder_type, nested = mc.MODEL_TYPES[arch]
+    cls = transformers.CONFIG_MAPPING[model_type]
+    cfg = cls(text_config=WRITTEN[arch]) if nested else cls(**WRITTEN[arch])
+    cfg.architectures = [arch]
+    return json.loads(cfg.to_json_string(use_diff=True))
+
+
+def variants(arch: str):
+    """(label, config) pairs: as written, each read key dropped, each alias spelling."""
+    base = written(arch)
+    yield "written", base
+    decoder_type, nested = mc.MODEL_TYPES[arch][1:]
+    text = base.get("text_config", base) if nested else base
+    aliases = mc.ALIASES.get(decoder_type, {})
+    keys = {k for key in mc.KEYS[decoder_type] for k in aliases.get(key, (key,))}
+    for key in sorted(keys & set(text)):
+        yield f"without {key}", _edit(base, nested, lambda t, k=key: t.pop(k))
+    for attr, spellings in aliases.items():
+        value = text.get(spellings[0], text.get(spellings[-1]))
+        for only in spellings:
+            yield f"{attr} as {only} only", _edit(base, nested, lambda t, o=only, v=value: (
+                [t.pop(s, None) for s in spellings], t.update({o: v})))
+        yield f"{attr}: every spelling, different values", _edit(base, nested, lambda t, v=value: t.update(
+            {s: v + i for i, s in enumerate(spellings)}))
+    if nested:
+        yield "no text_config", {k: v for k, v in base.items() if k != "text_config"}
+
+
+def _edit(base: dict, nested: bool, fn) -> dict:
+    cfg = json.loads(json.dumps(base))
+    fn(cfg.setdefault("text_config", {}) if nested else cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("arch", sorted(mc.MODEL_TYPES))
+def test_raw_reader_answers_as_autoconfig(arch):
+    seen = 0
+    for label, cfg in variants(arch):
+        try:
+            want = mc.read_transformers(cfg, arch, "config.json")
+        except MoetraceError:  # e.g. layer_types longer than the defaulted num_hidden_layers: SGLang fails too
+            continue
+        assert want is not None, f"transformers {transformers.__version__} does not know {arch}"
+        assert mc.read_raw(cfg, arch, "config.json") == want, f"{arch}, {label}: {json.dumps(cfg)[:300]}"
+        seen += 1
+    assert seen >= 5  # the written config, and at least four keys dropped or respelled
+
+
+def test_every_supported_architecture_has_a_reader():
+    assert set(ARCHITECTURES) == set(mc.MODEL_TYPES)
+
+
+def test_qwen3_moe_as_transformers_writes_it():
+    """The issue's refusal: save_pretrained keeps num_local_experts only; both readers
+    answer num_experts from it, and a plain key lookup would not."""
+    cfg = written("Qwen3MoeForCausalLM")
+    assert "num_experts" not in cfg and cfg["num_local_experts"] == 4
+    for reader in ("raw", "transformers"):
+        assert mc.read_decoder_config(cfg, "Qwen3MoeForCausalLM", "config.json", reader)["num_experts"] == 4
+
+
+def test_spec_without_transformers_equals_spec_with_it(monkeypatch):
+    """`pip install moetrace` without transformers reads the same spec."""
+    specs = {}
+    for arch in sorted(mc.MODEL_TYPES):
+        specs[arch] = spec_from_config(written(arch), "config.json")
+    monkeypatch.setattr(mc, "_transformers", lambda: None)
+    for arch, want in specs.items():
+        assert spec_from_config(written(arch), "config.json") == want, arch
+    # DeepSeek's written config leaves nothing out here; its class default for
+    # first_k_dense_replace (3) shows when the key is dropped:
+    cfg = written("DeepseekV3ForCausalLM")
+    cfg.pop("first_k_dense_replace")
+    cfg["num_hidden_layers"] = 5
+    assert spec_from_config(cfg, "config.json").moe_layers == (3, 4)
