@@ -115,7 +115,7 @@ def _prepare(wd: Path, fmt: str, experts: int, tp: int) -> tuple[Path, Path, str
 def _spawn(job) -> list[dict]:
     """Start the ranks, wait for their result files; stop the others once one failed,
     and every one on the way out (Ctrl-C included)."""
-    from moetrace.emulator.fork_rank import rank_main
+    from moetrace.conform.rank import rank_main
 
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=rank_main, args=(r, job), name=f"conform-rank{r}") for r in range(job.tp)]
@@ -179,10 +179,10 @@ def run_conform(cases: Sequence[Case], tp: int = 2, workdir: str | None = None,
     the in-server guard's rows ("all": the whole trace, "mismatch": production's) or None
     (no guard: capture only)."""
     from moetrace.analysis import analyze
-    from moetrace.emulator.fork_fence import check_patchable
-    from moetrace.emulator.fork_rank import RankCase, RankJob
-    from moetrace.emulator.fork_source import find_fork, find_kt_kernel, parse_fork
-    from moetrace.emulator.slow_peer import Control
+    from moetrace.conform.fence import check_patchable
+    from moetrace.conform.rank import RankCase, RankJob
+    from moetrace.conform.source import find_fork, find_kt_kernel, parse_fork
+    from moetrace.conform.slow_peer import Control
     from moetrace.tracer.manifest import read_manifests
 
     for c in cases:

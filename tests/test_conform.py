@@ -21,7 +21,7 @@ import torch
 from click.testing import CliRunner
 
 from moetrace.cli import main
-from moetrace.emulator import fork_fence, fork_source, sim_cuda
+from moetrace.conform import fence as fork_fence, source as fork_source, sim_cuda
 from moetrace.jobs.conform import Case, result_doc, result_lines, run_conform
 from moetrace.schema import COPY_ORDERS
 

@@ -115,7 +115,7 @@ def _missing(name: str, origin: str) -> type:
         def __call__(cls, *a, **k):
             raise ForkError(msg)
 
-    return Meta(name, (), {"__module__": "moetrace.emulator.fork_source.missing"})
+    return Meta(name, (), {"__module__": "moetrace.conform.source.missing"})
 
 
 def _top_imports(tree: ast.Module) -> list[tuple[str, str, str | None]]:

@@ -27,7 +27,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from moetrace.emulator.sim_cuda import QUIET, Hold, SimRuntime, SimTimeout
+from moetrace.conform.sim_cuda import QUIET, Hold, SimRuntime, SimTimeout
 
 MAX_SLOTS = 8
 _VERSION, _IN_COLLECTIVE, _SLOT0 = 0, 1, 2

@@ -163,7 +163,7 @@ def rank0_writer(want: str, checkpoint: str, fmt: str, layer: int, experts: int,
 
 
 def moetrace_writer(shards: list[dict], names):
-    from moetrace.emulator.writer import KTWrapperStandIn, NativeWriter
+    from moetrace.conform.writer import KTWrapperStandIn, NativeWriter
 
     return KTWrapperStandIn(-1, NativeWriter(60.0), shards, names)
 
@@ -172,16 +172,16 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
              contexts: list) -> CaseFacts:
     from moetrace.checkpoints.reader import open_checkpoint
     from moetrace.checkpoints.shards import Parallel, expected_layer
-    from moetrace.emulator import fork_env, fork_fence, fork_source, slow_peer
+    from moetrace.conform import env as fork_env, fence, slow_peer, source
     from moetrace.hooks.sglang_hook import make_hook
 
     world, t = job.tp, {"start": time.perf_counter()}
     schedule = (slow_peer.SlowPeer(control, rank, world, runtime, job.timeout_s) if case.schedule == "slow-peer"
                 else slow_peer.NoSchedule(runtime))
     provided, modules, env = fork_env.fork_namespace(runtime, schedule)
-    src = fork_source.ForkSource(Path(case.fork_file), case.fork_version, "")
-    compiled = fork_source.compile_fork(src, provided, modules,
-                                        patch=fork_fence.patch_fence if case.patch_fence else None)
+    src = source.ForkSource(Path(case.fork_file), case.fork_version, "")
+    compiled = source.compile_fork(src, provided, modules,
+                                        patch=fence.patch_fence if case.patch_fence else None)
     t["compile"] = time.perf_counter()
 
     ckpt = open_checkpoint(case.checkpoint)
@@ -202,7 +202,7 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
     ctx = build_context(compiled.cls, layer)
     fmt = fork_format(ctx)
     if fmt != case.fmt:
-        raise fork_source.ForkError(f"the fork's _detect_quant_type_from_created_weights sees {fmt} for a "
+        raise source.ForkError(f"the fork's _detect_quant_type_from_created_weights sees {fmt} for a "
                                     f"{case.fmt} layer: its format detection changed")
     schedule.attach_slots(ctx.cpu_buffers)
     wrapper, writer, kind = None, "none (only rank 0 writes)", "none"
@@ -260,7 +260,7 @@ def rank_main(rank: int, job: RankJob) -> None:
     try:
         if job.kt_path and job.kt_path not in sys.path:
             sys.path.append(job.kt_path)
-        from moetrace.emulator import fork_env, sim_cuda, slow_peer
+        from moetrace.conform import env as fork_env, sim_cuda, slow_peer
 
         fork_env.block_sglang_imports()
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -284,7 +284,7 @@ def rank_main(rank: int, job: RankJob) -> None:
     except BaseException as err:
         from moetrace.errors import MoetraceError
 
-        from moetrace.emulator.fork_source import ForkError
+        from moetrace.conform.source import ForkError
 
         kind = ("layout" if isinstance(err, ForkError) else "refused" if isinstance(err, MoetraceError) else
                 "timeout" if type(err).__name__ == "SimTimeout" else

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 import copy
 
-from moetrace.emulator.fork_source import ForkError
+from moetrace.conform.source import ForkError
 
 METHODS = ("_prepare_weight_fp8", "_prepare_weight_fp8_channel", "_prepare_weight_bf16")
 FIRST_FENCE, READER_FENCE = "__moetrace_first_write_fence__", "__moetrace_reader_fence__"
