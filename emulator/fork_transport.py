@@ -107,6 +107,7 @@ def build_fork_transport(cfg, prefix: str, rank: int, world: int, gpu_layer, sou
     """Collective: every rank compiles the fork's class, builds its context around
     ``gpu_layer`` (the fork's own host-slot setup) and rank 0 its writers."""
     from moetrace.conform import env as fork_env, fence, rank as fork_rank, sim_cuda, slow_peer
+    from moetrace.conform.requirements import derive
     from moetrace.conform.source import compile_fork, find_fork, find_kt_kernel
 
     # kt-kernel prints from C++ (also at exit): to stderr, so the rank never writes the
@@ -127,9 +128,11 @@ def build_fork_transport(cfg, prefix: str, rank: int, world: int, gpu_layer, sou
     else:
         schedule = slow_peer.NoSchedule(runtime)
     provided, modules, _ = fork_env.fork_namespace(runtime, schedule)
-    compiled = compile_fork(src, provided, modules,
-                           patch=fence.patch_fence if cfg.fence == "all" else None)
-    ctx = fork_rank.build_context(compiled.cls, gpu_layer)
+    def fence_fp8(node, ns):  # the fork's FP8 block staging method, as its load dispatches it
+        return fence.patch_fence(node, [derive(node).dispatch["fp8_block"]], ns)
+
+    compiled = compile_fork(src, provided, modules, patch=fence_fp8 if cfg.fence == "all" else None)
+    ctx = fork_rank.build_context(compiled, gpu_layer)
     schedule.attach_slots(ctx.cpu_buffers)
     wrappers, writer = {}, "none (only rank 0 writes)"
     n = source.dims.num_experts
