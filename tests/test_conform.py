@@ -153,40 +153,48 @@ def sigill_fork(root: Path) -> Path:
     return root
 
 
+def run_cases(work: Path) -> dict:
+    """Every real case (the session job "conform", support/session_jobs.py): name -> the
+    --json-out document, and the work folder. One set of rank processes for the forks
+    that share the side kt-kernel, one for the SIGILL writer (which then runs again)."""
+    try:
+        fork_source.find_fork()
+    except fork_source.ForkError as err:
+        return {"missing": str(err)}
+    old = OLD_RELEASE if (OLD_RELEASE / WRAPPER).is_file() else None
+    cases = {
+        "shipped": Case("fp8_block", "slow-peer", False, "kt-kernel", E),
+        "patched": Case("fp8_block", "slow-peer", True, "kt-kernel", E),
+        "channel": Case("fp8_channel", "slow-peer", False, "kt-kernel", E),
+        "channel_patched": Case("fp8_channel", "slow-peer", True, "kt-kernel", E),
+        "bf16": Case("bf16", "slow-peer", False, "moetrace", E),
+        "bf16_patched": Case("bf16", "slow-peer", True, "moetrace", E),
+        "user_fork_channel": Case("fp8_channel", "slow-peer", False, "moetrace", E,
+                                  str(hand_fenced(work / "fork-hand-channel", "hand"))),
+    }
+    for v in VARIANTS:
+        cases[v] = Case("fp8_block", "slow-peer", False, "kt-kernel", E, str(hand_fenced(work / f"fork-{v}", v)))
+    if old is not None:
+        cases["old"] = Case("fp8_block", "slow-peer", False, "kt-kernel", E, str(old))
+        cases["old_patched"] = Case("fp8_block", "slow-peer", True, "kt-kernel", E, str(old))
+    results = run_conform(list(cases.values()), tp=2, workdir=str(work / "conform"))
+    docs = {k: result_doc(r) for k, r in zip(cases, results)}
+    (sig,) = run_conform([Case("fp8_block", "slow-peer", False, "kt-kernel", 4, str(sigill_fork(work / "sigill")))],
+                         tp=2)
+    docs["sigill"] = result_doc(sig)
+    return {"work": str(work / "conform"), "docs": json.loads(json.dumps(docs))}
+
+
 @pytest.fixture(scope="session")
 def conform_runs(tmp_path_factory) -> tuple[dict, Path]:
-    """Every real case, once per session (across xdist workers): name -> the --json-out
-    document; and the work folder. One set of rank processes for the forks that share
-    the side kt-kernel, one for the SIGILL writer (which then runs again)."""
-    from conftest import once_per_session
+    """run_cases, once per session in the background (conftest.JOB_FIXTURES)."""
+    from conftest import session_job
 
-    installed_fork()
-    old = old_release()
-
-    def run(work: Path) -> dict:
-        cases = {
-            "shipped": Case("fp8_block", "slow-peer", False, "kt-kernel", E),
-            "patched": Case("fp8_block", "slow-peer", True, "kt-kernel", E),
-            "channel": Case("fp8_channel", "slow-peer", False, "kt-kernel", E),
-            "channel_patched": Case("fp8_channel", "slow-peer", True, "kt-kernel", E),
-            "bf16": Case("bf16", "slow-peer", False, "moetrace", E),
-            "bf16_patched": Case("bf16", "slow-peer", True, "moetrace", E),
-            "user_fork_channel": Case("fp8_channel", "slow-peer", False, "moetrace", E,
-                                      str(hand_fenced(work / "fork-hand-channel", "hand"))),
-        }
-        for v in VARIANTS:
-            cases[v] = Case("fp8_block", "slow-peer", False, "kt-kernel", E, str(hand_fenced(work / f"fork-{v}", v)))
-        if old is not None:
-            cases["old"] = Case("fp8_block", "slow-peer", False, "kt-kernel", E, str(old))
-            cases["old_patched"] = Case("fp8_block", "slow-peer", True, "kt-kernel", E, str(old))
-        results = run_conform(list(cases.values()), tp=2, workdir=str(work / "conform"))
-        docs = {k: result_doc(r) for k, r in zip(cases, results)}
-        (sig,) = run_conform([Case("fp8_block", "slow-peer", False, "kt-kernel", 4, str(sigill_fork(work / "sigill")))],
-                             tp=2)
-        docs["sigill"] = result_doc(sig)
-        return {"work": str(work / "conform"), "docs": json.loads(json.dumps(docs))}
-
-    d = once_per_session(tmp_path_factory, "conform", run)
+    d = session_job(tmp_path_factory, "conform")
+    if "missing" in d:
+        if REQUIRE:
+            pytest.fail(f"MOETRACE_REQUIRE_FORK=1 but {d['missing']}")
+        pytest.skip(d["missing"])
     return d["docs"], Path(d["work"])
 
 
@@ -506,4 +514,31 @@ def test_streams_are_fifo_and_events_mark_them():
             leaf[0].copy_(src, non_blocking=True)
         cuda.synchronize()
     assert leaf[0].tolist() == src.tolist()
+    rt.close()
+
+
+def test_a_held_copy_runs_when_its_issuer_waits_for_it():
+    """The slow peer's latest point: a copy held until demanded runs once the issuing
+    thread waits for it, also through another stream's wait on its event."""
+    rt = sim_cuda.SimRuntime(0, timeout_s=10)
+    cuda = rt.cuda_module()
+
+    class UntilDemanded(sim_cuda.Hold):
+        label = "test hold"
+
+        def releasable(self, demanded):
+            return demanded
+
+    src, dst = torch.arange(4.0), torch.zeros(2, 4)
+    copy_stream, post_stream = cuda.Stream(), cuda.Stream()
+    rt.copy_hook = lambda d, x: UntilDemanded()
+    copied, after = cuda.Event(), cuda.Event()
+    with cuda.stream(copy_stream):
+        dst[0].copy_(src, non_blocking=True)
+        copied.record(copy_stream)
+    post_stream.wait_event(copied)
+    after.record(post_stream)
+    assert not copied.query() and not after.query() and dst[0].sum() == 0  # nobody waits: held
+    after.synchronize()  # waits for post_stream, which waits for the copy
+    assert copied.query() and dst[0].tolist() == src.tolist()
     rt.close()
