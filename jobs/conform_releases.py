@@ -75,7 +75,11 @@ def releases_main(spec: str, formats: Sequence[str] | None, tp: int, experts: in
          f"cache {folder}")
     rows = []
     for v in versions:
-        rows += run_release(v, releases.install(v, folder, kernels), formats, tp, experts, schedule, writer)
+        t0 = time.perf_counter()
+        got = run_release(v, releases.install(v, folder, kernels), formats, tp, experts, schedule, writer)
+        ran = sum(1 for r in got if r["verdict"] in ("PASS", "DIVERGENT"))
+        echo(f"  {v}: {ran} of {len(got)} cases ran ({time.perf_counter() - t0:.0f} s)")
+        rows += got
     for line in table(rows):
         echo(line)
     code = 1 if any(r["exit_code"] == 1 for r in rows) else 2 if any(r["exit_code"] == 2 for r in rows) else 0

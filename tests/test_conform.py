@@ -366,7 +366,8 @@ def test_no_fork_or_unsupported_fork_exits_2_naming_what_is_missing(tmp_path):
     bad.parent.mkdir(parents=True)
     bad.write_text("class SharedFullContext:\n    def load(self, layer_idx, wrapper):\n        pass\n")
     r = CliRunner().invoke(main, ["conform", "--fork-path", str(tmp_path / "bad")])
-    assert r.exit_code == 2 and "SharedFullContext has no method __init__" in r.output and len(r.output.splitlines()) == 1
+    assert r.exit_code == 2 and len(r.output.splitlines()) == 1
+    assert "SharedFullContext has no method __init__" in r.output
 
 
 def test_a_missing_method_that_load_reaches_is_named(tmp_path):
@@ -477,6 +478,24 @@ def test_release_selection_and_matching_kernels():
     assert releases.kernel_for("0.6.2", [], kernels)[0] == "0.6.1.post1"
     got, note = releases.kernel_for("0.7.0.post2", ["kt-kernel==0.7.0.post2"], kernels)
     assert got == "0.7.0.post1" and "its pin kt-kernel==0.7.0.post2 is not on the index" in note
+
+
+def test_a_release_that_cannot_be_installed_is_a_row():
+    from moetrace.jobs.conform_releases import run_release, table
+
+    why = "pip install --target sglang-kt==0.7.0.post3 kt-kernel==0.7.0.post2: ERROR: No matching distribution"
+    rows = run_release("0.7.0.post3", releases.Release("0.7.0.post3", None, "0.7.0.post2", why), ("fp8_block",),
+                       2, E, "slow-peer", "kt-kernel")
+    assert [(r["release"], r["verdict"], r["exit_code"], r["why"]) for r in rows] == \
+        [("0.7.0.post3", "NOT INSTALLED", 2, why)]
+    lines = table(rows)
+    assert lines[0].split() == ["release", "kt-kernel", "format", "fence", "verdict", "E+k", "seconds"]
+    assert lines[-1] == f"why 0.7.0.post3 -: {why}"
+
+
+def test_releases_refuse_the_single_run_options():
+    r = CliRunner().invoke(main, ["conform", "--releases", "all", "--fork-path", "x"])
+    assert r.exit_code == 2 and "--fork-path does not go with --releases" in r.output and len(r.output.splitlines()) == 1
 
 
 # ---------------------------------------------------------- the simulated runtime
