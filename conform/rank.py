@@ -163,11 +163,12 @@ def writer_name(kt_version: str | None, fmt: str) -> str:
     return f"kt-kernel {kt_version or '?'}'s {KT_METHODS.get(fmt, fmt)} writer"
 
 
-def set_phase(job: "RankJob", rank: int, what: str) -> None:
-    """Name the native code rank 0 is running (kt-kernel's writer) in results/rank0.phase,
-    so a death by a signal is blamed on it, not on the fork (jobs/conform.py)."""
+def set_phase(job: "RankJob", rank: int, what: str, fmt: str = "") -> None:
+    """Name the native code rank 0 is running (kt-kernel's writer for `fmt`) in
+    results/rank0.phase, so a death by a signal is blamed on it, not on the fork
+    (jobs/conform.py)."""
     if rank == 0:
-        (Path(job.results) / "rank0.phase").write_text(what)
+        (Path(job.results) / "rank0.phase").write_text(json.dumps({"what": what, "fmt": fmt}))
 
 
 def rank0_writer(want: str, checkpoint: str, fmt: str, layer: int, experts: int, hidden: int, intermediate: int,
@@ -231,7 +232,8 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
     if rank == 0:
         key = (case.checkpoint, case.writer)
         if key not in kt_cache:  # one writer per checkpoint and process (kt-kernel's loads every expert)
-            set_phase(job, rank, writer_name(job.kt_version, case.fmt) if case.writer == "kt-kernel" else "")
+            if case.writer == "kt-kernel":
+                set_phase(job, rank, writer_name(job.kt_version, case.fmt), case.fmt)
             kt_cache[key] = rank0_writer(
                 case.writer, case.checkpoint, case.fmt, case.layer, case.experts, case.hidden, case.intermediate, mask,
                 lambda: [mine] + [expected_layer(ckpt, case.layer, r, Parallel(world)) for r in range(1, world)],
@@ -239,7 +241,7 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
         w, writer, kind = kt_cache[key]
         if kind == "moetrace" and case.writer_note:
             writer = f"moetrace's emulator writer because {case.writer_note}"
-        set_phase(job, rank, writer_name(job.kt_version, case.fmt) if kind == "kt-kernel" else "")
+        set_phase(job, rank, writer_name(job.kt_version, case.fmt) if kind == "kt-kernel" else "", case.fmt)
         wrapper = schedule.observe_writer(w)
     t["setup"] = time.perf_counter()
     dist.barrier()

@@ -146,9 +146,11 @@ def _dead(rank: int, code: int | None, results: Path) -> dict:
     from moetrace.conform.rank import signal_words
 
     if code is not None and code < 0:
-        phase = results / "rank0.phase"
-        kind, words = signal_words(code, phase.read_text() if rank == 0 and phase.exists() else "")
-        return {"rank": rank, "error": words, "error_kind": kind, "cases": [], "signal": -code}
+        path = results / "rank0.phase"
+        phase = json.loads(path.read_text()) if rank == 0 and path.exists() else {}
+        kind, words = signal_words(code, phase.get("what", ""))
+        return {"rank": rank, "error": words, "error_kind": kind, "cases": [], "signal": -code,
+                "fmt": phase.get("fmt") if phase.get("what") else None}
     return {"rank": rank, "error": f"rank {rank} exited with code {code} and wrote no result", "error_kind": "crash",
             "cases": []}
 
@@ -332,9 +334,15 @@ def run_conform(cases: Sequence[Case], tp: int = 2, workdir: str | None = None,
         notes: dict = {}
         t1 = time.perf_counter()
         results, prepared, err, logs = _run_job(runnable, tp, wd, temporary, guard, timeout_s, notes)
-        if err and err[0] == "writer" and any(p.case.writer == "kt-kernel" for p in runnable):
-            why = next(r["error"] for r in results if r.get("error_kind") == "writer")
-            notes = {p.case.name: why for p in runnable if p.case.writer == "kt-kernel"}
+        for _ in FORMATS:  # kt-kernel's writer for one method died: that method's cases get moetrace's
+            dead = next((r for r in results if r.get("error_kind") == "writer"), None)
+            if not err or err[0] != "writer" or dead is None:
+                break
+            fresh = {p.case.name: dead["error"] for p in runnable
+                     if p.case.writer == "kt-kernel" and p.case.fmt == dead.get("fmt") and p.case.name not in notes}
+            if not fresh:
+                break
+            notes.update(fresh)
             results, prepared, err, logs = _run_job(runnable, tp, wd, temporary, guard, timeout_s, notes)
         t2 = time.perf_counter()
         for i, (p, index, run_id) in enumerate(prepared):
