@@ -12,8 +12,12 @@ KT_KERNEL_VERSION ?= 0.7.2
 # KTransformers' fork and kt-kernel live beside the venv, not in it: the fork's
 # import package is also `sglang`. conform, demo and selftest find them here.
 KT_SIDE := $(VENV)/kt-side
+# One release from before 0.6.4 (FP8 copies the GPU-mask experts directly: E+3), for the
+# tests of conform's requirements; `make conform-releases` runs every release instead.
+KT_OLD_RELEASE ?= 0.5.2
+KT_RELEASES := $(VENV)/kt-releases
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv clean conform-releases
 
 # CPU torch only when none is present: never replace a user's torch. SGLang without its
 # GPU dependencies: tests run its own hook manager. The fork and kt-kernel without
@@ -28,6 +32,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@rm -rf $(KT_SIDE)
 	@$(INSTALL) --no-deps --target $(KT_SIDE) sglang-kt==$(SGLANG_KT_VERSION) kt-kernel==$(KT_KERNEL_VERSION)
 	@$(INSTALL) gguf
+	@rm -rf $(KT_RELEASES)
+	@$(INSTALL) --no-deps --target $(KT_RELEASES)/sglang-kt-$(KT_OLD_RELEASE) sglang-kt==$(KT_OLD_RELEASE)
 	@touch $@
 
 venv: $(VENV)/.installed
@@ -40,6 +46,11 @@ demo: $(VENV)/.installed
 # MOETRACE_REQUIRE_FORK: the tests that run the fork's code fail (not skip) without it.
 test: $(VENV)/.installed
 	MOETRACE_REQUIRE_FORK=1 $(PY) -m pytest -q
+
+# Every sglang-kt release on the package index, each with its kt-kernel (network; minutes):
+# the release x format table of docs/conform.md.
+conform-releases: $(VENV)/.installed
+	$(VENV)/bin/moetrace conform --releases all --json-out conform-releases.json
 
 clean:
 	rm -rf $(VENV) *.egg-info

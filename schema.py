@@ -45,7 +45,7 @@ TRACE_SCHEMA_VERSION = 3
 MANIFEST_SCHEMA_VERSION = 3
 REPORT_SCHEMA, REPORT_SCHEMA_VERSION = "moetrace.analysis", 2
 DIFF_SCHEMA, DIFF_SCHEMA_VERSION = "moetrace.diff", 2
-CONFORM_SCHEMA, CONFORM_SCHEMA_VERSION = "moetrace.conform", 1
+CONFORM_SCHEMA, CONFORM_SCHEMA_VERSION = "moetrace.conform", 2
 
 # ---------------------------------------------------------------- tensors
 

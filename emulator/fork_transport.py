@@ -27,7 +27,7 @@ TRANSPORTS = ("emulator", "fork", "auto")
 
 def resolve_transport(requested: str, device: str, fork_path: str | None = None) -> tuple[str, str]:
     """("fork" | "emulator", what stages the layers, in words) for a requested transport."""
-    from moetrace.emulator.fork_source import ForkError, find_fork
+    from moetrace.conform.source import ForkError, find_fork
 
     own = "the emulator's own SharedFullContext"
     if requested not in TRANSPORTS:
@@ -90,7 +90,7 @@ class ForkTransport:
 
 def _control(prefix: str, rank: int, world: int):
     """The slow-peer control block: rank 0 creates it, the peers attach, then the name goes."""
-    from moetrace.emulator.slow_peer import Control
+    from moetrace.conform.slow_peer import Control
 
     ctl = Control(f"{prefix}_sp", world, create=True) if rank == 0 else None
     dist.barrier()
@@ -106,17 +106,19 @@ def build_fork_transport(cfg, prefix: str, rank: int, world: int, gpu_layer, sou
                          mask: torch.Tensor | None) -> ForkTransport:
     """Collective: every rank compiles the fork's class, builds its context around
     ``gpu_layer`` (the fork's own host-slot setup) and rank 0 its writers."""
-    from moetrace.emulator import fork_env, fork_fence, fork_rank, fork_source, sim_cuda, slow_peer
+    from moetrace.conform import env as fork_env, fence, rank as fork_rank, sim_cuda, slow_peer
+    from moetrace.conform.requirements import derive
+    from moetrace.conform.source import compile_fork, find_fork, find_kt_kernel
 
     # kt-kernel prints from C++ (also at exit): to stderr, so the rank never writes the
     # command's stdout (demo --json).
     sys.stdout.flush()
     os.dup2(2, 1)
-    kt_path, _ = fork_source.find_kt_kernel()
+    kt_path, _ = find_kt_kernel()
     if kt_path and kt_path not in sys.path:
         sys.path.append(kt_path)
     fork_env.block_sglang_imports()
-    src = fork_source.find_fork(cfg.fork_path)
+    src = find_fork(cfg.fork_path)
     runtime = sim_cuda.SimRuntime(rank, cfg.op_timeout_s)
     control = None
     if cfg.slow_rank is not None and world > 1:
@@ -126,9 +128,11 @@ def build_fork_transport(cfg, prefix: str, rank: int, world: int, gpu_layer, sou
     else:
         schedule = slow_peer.NoSchedule(runtime)
     provided, modules, _ = fork_env.fork_namespace(runtime, schedule)
-    compiled = fork_source.compile_fork(src, provided, modules,
-                                        patch=fork_fence.patch_fence if cfg.fence == "all" else None)
-    ctx = fork_rank.build_context(compiled.cls, gpu_layer)
+    def fence_fp8(node, ns):  # the fork's FP8 block staging method, as its load dispatches it
+        return fence.patch_fence(node, [derive(node).dispatch["fp8_block"]], ns)
+
+    compiled = compile_fork(src, provided, modules, patch=fence_fp8 if cfg.fence == "all" else None)
+    ctx = fork_rank.build_context(compiled, gpu_layer)
     schedule.attach_slots(ctx.cpu_buffers)
     wrappers, writer = {}, "none (only rank 0 writes)"
     n = source.dims.num_experts

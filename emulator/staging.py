@@ -41,7 +41,8 @@ import torch.distributed as dist
 from moetrace.emulator.config import WEIGHT_NAMES_FP8
 from moetrace.emulator.copy_engine import CopyEngine
 from moetrace.emulator.shm import Control, HostSlots, SlotLayout
-from moetrace.emulator.writer import KTWrapperStandIn, NativeWriter, SlotIndex, WriteGate
+from moetrace.conform.writer import KTWrapperStandIn, NativeWriter
+from moetrace.emulator.writer import SlotIndex, WriteGate
 
 
 class Hold:

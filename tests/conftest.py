@@ -116,7 +116,7 @@ class DemoRun:
 
 # Fixtures backed by a background session job (support.session_jobs): started once
 # collection shows a selected test uses one, and those tests run last.
-JOB_FIXTURES = {"demo_run": "demo", "gpu_script_dry_run": "gpu-dry-run"}
+JOB_FIXTURES = {"demo_run": "demo", "gpu_script_dry_run": "gpu-dry-run", "conform_runs": "conform"}
 
 
 def _uses_job(item) -> bool:
@@ -137,6 +137,14 @@ def pytest_collection_finish(session):
     for fixture, job in JOB_FIXTURES.items():
         if any(fixture in getattr(i, "fixturenames", ()) for i in session.items):
             session_jobs.start(root, job)
+
+
+def session_job(tmp_path_factory, name: str) -> dict:
+    """A background session job's result (support.session_jobs), for fixtures defined
+    beside their tests (test_conform.py's conform_runs)."""
+    from support import session_jobs
+
+    return session_jobs.result(_session_root(tmp_path_factory), name)
 
 
 @pytest.fixture(scope="session")

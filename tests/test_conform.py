@@ -4,16 +4,22 @@ writer, moetrace's KT hook and analysis, on CPU.
 The expectations are independent of moetrace's transport code: which expert's bytes a
 late reader holds follows from the fork's double-buffered loop alone (position p reads
 the slot after write p+2 refilled it), and which experts the fork stages follows from
-its load() (FP8: all, in id order; BF16: the non-GPU-mask ones). One session fixture
-runs every real case in one set of rank processes. MOETRACE_REQUIRE_FORK=1 (make test)
-turns a missing sglang-kt or kt-kernel into a failure instead of a skip.
+its load() (FP8 from 0.6.4 on: all, in id order; BF16 and FP8 before 0.6.4: the
+non-GPU-mask ones). This file holds no line of the fork: the forks with a fence written
+in by hand (right and wrong) are AST transformations of the installed file, made here,
+independently of conform/fence.py. One session job runs every real case in one set of
+rank processes. MOETRACE_REQUIRE_FORK=1 (make test) turns a missing sglang-kt, kt-kernel
+or the 0.5.2 release (Makefile: kt-releases/) into a failure instead of a skip.
 """
 
 from __future__ import annotations
 
 import ast
-import copy
+import hashlib
+import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +27,11 @@ import torch
 from click.testing import CliRunner
 
 from moetrace.cli import main
-from moetrace.emulator import fork_fence, fork_source, sim_cuda
+from moetrace.conform import fence, releases, requirements, sim_cuda
+from moetrace.conform import source as fork_source
+from moetrace.conform.rank import signal_words
 from moetrace.jobs.conform import Case, result_doc, result_lines, run_conform
+from moetrace.jobs.demo import guard_sentence
 from moetrace.schema import COPY_ORDERS
 
 from support.traces import read_rows
@@ -30,26 +39,24 @@ from support.traces import read_rows
 REQUIRE = os.environ.get("MOETRACE_REQUIRE_FORK") == "1"
 E = 6
 MASK = tuple(range(1, E, 4))  # the GPU mask conform hands to load: experts 1 and 5
-WRAPPER = Path("sglang/srt/layers/moe/kt_ep_wrapper.py")
-# The fork's own reader wait in _prepare_weight_fp8 (0.7.2), and that loop with the seed
-# PR's reader fence written in by hand, as a user patching their fork would.
-SHIPPED_LOOP = """            if do_write:
-                wrapper.sync_write_weight_scale_to_buffer()
-                if idx + 1 < len(cpu_expert_ids):
-                    next_slot = (idx + 1) % 2
-                    # Before writing to next_slot, ensure copy from that slot is complete.
-                    if idx > 0:
-                        events[idx - 1].synchronize()
-                    submit_write_expert(cpu_expert_ids[idx + 1], next_slot)
-"""
-FENCED_LOOP = """            if do_write:
-                wrapper.sync_write_weight_scale_to_buffer()
-            if idx > 0 and idx + 1 < len(cpu_expert_ids):
-                events[idx - 1].synchronize()
-                dist.barrier(group=get_tp_group().device_group)
-            if do_write and idx + 1 < len(cpu_expert_ids):
-                submit_write_expert(cpu_expert_ids[idx + 1], (idx + 1) % 2)
-"""
+WRAPPER = fork_source.WRAPPER_REL
+OLD_RELEASE = Path(sys.prefix) / "kt-releases" / "sglang-kt-0.5.2"  # Makefile: before 0.6.4's all-staged FP8
+FP8 = "_prepare_weight_fp8"
+# The hand-written fences, right and wrong (moetrace's text, placed by ast below).
+READER_WAIT = "if {i} > 0 and {i} + 1 < {n}:\n    {ev}[{i} - 1].synchronize()"
+RANK0_WAIT = "if {i} > 0 and {i} + 1 < {n} and get_tensor_model_parallel_rank() == 0:\n    {ev}[{i} - 1].synchronize()"
+BARRIER = "dist.barrier(group=get_tp_group().device_group)"
+DRAIN = "torch.cuda.synchronize()"
+RANK0_DRAIN = "if get_tensor_model_parallel_rank() == 0:\n    torch.cuda.synchronize()"
+VARIANTS = {  # name -> (reader fence, where: "before"/"after" the refill, first-write fence)
+    "hand": (f"{READER_WAIT}\n    {BARRIER}", "before", f"{DRAIN}\n{BARRIER}"),
+    "barrier_after_refill": (f"{READER_WAIT}\n    {BARRIER}", "after", f"{DRAIN}\n{BARRIER}"),
+    "rank0_only_drain": (f"{RANK0_WAIT}\nif {{i}} > 0 and {{i}} + 1 < {{n}}:\n    {BARRIER}", "before",
+                         f"{RANK0_DRAIN}\n{BARRIER}"),
+    "event_sync_without_barrier": (READER_WAIT, "before", DRAIN),
+    "first_write_only": ("", "before", f"{DRAIN}\n{BARRIER}"),
+}
+WRONG = [v for v in VARIANTS if v != "hand"]
 
 
 def installed_fork() -> fork_source.ForkSource:
@@ -59,6 +66,14 @@ def installed_fork() -> fork_source.ForkSource:
         if REQUIRE:
             pytest.fail(f"MOETRACE_REQUIRE_FORK=1 but {err}")
         pytest.skip(str(err))
+
+
+def old_release() -> Path | None:
+    if (OLD_RELEASE / WRAPPER).is_file():
+        return OLD_RELEASE
+    if REQUIRE:
+        pytest.fail(f"MOETRACE_REQUIRE_FORK=1 but {OLD_RELEASE} has no {WRAPPER} (make venv installs it)")
+    return None
 
 
 def late_reader(staged: list[int]) -> dict[int, int]:
@@ -71,39 +86,115 @@ def expected_held(staged: list[int]) -> list[int]:
     return [late.get(e, e) for e in range(E)]
 
 
-def hand_patched_fork(root: Path) -> Path:
-    """The installed file with the reader fence written into _prepare_weight_fp8 only (the PR's scope)."""
-    text = (installed_fork().path).read_text()
-    assert text.count(SHIPPED_LOOP) == 3, "the fork's staging loop changed: update SHIPPED_LOOP"
+# ------------------------------------------------- forks fenced by hand (AST, no fork text)
+
+
+def _class(tree: ast.Module) -> ast.ClassDef:
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == fork_source.CLASS_NAME)
+
+
+def _calls(node: ast.AST) -> set[str]:
+    return {getattr(n.func, "attr", getattr(n.func, "id", None)) for n in ast.walk(node) if isinstance(n, ast.Call)}
+
+
+def _stmts(text: str, **names) -> list[ast.stmt]:
+    return ast.parse(text.format(**names)).body if text else []
+
+
+def fence_by_hand(fn: ast.FunctionDef, variant: str) -> None:
+    """Write a fence into a staging method as a user patching their fork would: the
+    reader fence next to the statement of the loop that refills a slot, the first-write
+    fence before the method's first write."""
+    reader, where, first = VARIANTS[variant]
+    writes = {"submit_write_weight_scale_to_buffer"}
+    writes |= {d.name for d in ast.walk(fn) if isinstance(d, ast.FunctionDef) and _calls(d) & writes}
+    loop = next(s for s in fn.body if isinstance(s, ast.For) and _calls(s) & writes)
+    wait = next(n.func.value for n in ast.walk(loop) if isinstance(n, ast.Call)
+                and getattr(n.func, "attr", "") == "synchronize" and isinstance(n.func.value, ast.Subscript))
+    i, ev = wait.slice.left.id, wait.value.id
+    n = f"len({ast.unparse(loop.iter.args[0])})"
+    refill = next(k for k, s in enumerate(loop.body) if _calls(s) & writes)
+    at = refill if where == "before" else refill + 1
+    loop.body[at:at] = _stmts(reader, i=i, n=n, ev=ev)
+    first_write = next(k for k, s in enumerate(fn.body) if s is not loop and _calls(s) & writes)
+    fn.body[first_write:first_write] = _stmts(first)
+
+
+def write_variant(root: Path, transform) -> Path:
+    """The installed file, transformed (transform(class node)), written as a fork folder."""
+    tree = ast.parse(installed_fork().path.read_text())
+    transform(_class(tree))
     dst = root / WRAPPER
     dst.parent.mkdir(parents=True, exist_ok=True)
-    dst.write_text(text.replace(SHIPPED_LOOP, FENCED_LOOP, 1))
+    dst.write_text(ast.unparse(ast.fix_missing_locations(tree)))
     return root
+
+
+def hand_fenced(root: Path, variant: str, method: str = FP8) -> Path:
+    def transform(cls):
+        fence_by_hand(next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == method), variant)
+
+    return write_variant(root, transform)
+
+
+def sigill_fork(root: Path) -> Path:
+    """The installed fork beside a kt_kernel whose wrapper dies by SIGILL, as kt-kernel
+    0.6.4's FP8 wrapper does on a CPU without AVX-512."""
+    dst = root / WRAPPER
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(installed_fork().path, dst)
+    (root / "kt_kernel").mkdir()
+    (root / "kt_kernel" / "__init__.py").write_text(
+        "import os, signal\n__version__ = '0.6.4'\n__cpu_variant__ = 'avx2'\n\n"
+        "class KTMoEWrapper:\n    def __init__(self, *a, **k):\n        os.kill(os.getpid(), signal.SIGILL)\n")
+    info = root / "kt_kernel-0.6.4.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kt-kernel\nVersion: 0.6.4\n")
+    return root
+
+
+def run_cases(work: Path) -> dict:
+    """Every real case (the session job "conform", support/session_jobs.py): name -> the
+    --json-out document, and the work folder. One set of rank processes for the forks
+    that share the side kt-kernel, one for the SIGILL writer (which then runs again)."""
+    try:
+        fork_source.find_fork()
+    except fork_source.ForkError as err:
+        return {"missing": str(err)}
+    old = OLD_RELEASE if (OLD_RELEASE / WRAPPER).is_file() else None
+    cases = {
+        "shipped": Case("fp8_block", "slow-peer", False, "kt-kernel", E),
+        "patched": Case("fp8_block", "slow-peer", True, "kt-kernel", E),
+        "channel": Case("fp8_channel", "slow-peer", False, "kt-kernel", E),
+        "channel_patched": Case("fp8_channel", "slow-peer", True, "kt-kernel", E),
+        "bf16": Case("bf16", "slow-peer", False, "moetrace", E),
+        "bf16_patched": Case("bf16", "slow-peer", True, "moetrace", E),
+        "user_fork_channel": Case("fp8_channel", "slow-peer", False, "moetrace", E,
+                                  str(hand_fenced(work / "fork-hand-channel", "hand"))),
+    }
+    for v in VARIANTS:
+        cases[v] = Case("fp8_block", "slow-peer", False, "kt-kernel", E, str(hand_fenced(work / f"fork-{v}", v)))
+    if old is not None:
+        cases["old"] = Case("fp8_block", "slow-peer", False, "kt-kernel", E, str(old))
+        cases["old_patched"] = Case("fp8_block", "slow-peer", True, "kt-kernel", E, str(old))
+    results = run_conform(list(cases.values()), tp=2, workdir=str(work / "conform"))
+    docs = {k: result_doc(r) for k, r in zip(cases, results)}
+    (sig,) = run_conform([Case("fp8_block", "slow-peer", False, "kt-kernel", 4, str(sigill_fork(work / "sigill")))],
+                         tp=2)
+    docs["sigill"] = result_doc(sig)
+    return {"work": str(work / "conform"), "docs": json.loads(json.dumps(docs))}
 
 
 @pytest.fixture(scope="session")
 def conform_runs(tmp_path_factory) -> tuple[dict, Path]:
-    """Every real case in one set of rank processes, once per session (across xdist
-    workers): name -> the --json-out document; and the work folder."""
-    from conftest import once_per_session
+    """run_cases, once per session in the background (conftest.JOB_FIXTURES)."""
+    from conftest import session_job
 
-    installed_fork()
-
-    def run(work: Path) -> dict:
-        user_fork = str(hand_patched_fork(work / "user-fork"))
-        cases = {
-            "shipped": Case("fp8_block", "slow-peer", False, "kt-kernel", E),
-            "patched": Case("fp8_block", "slow-peer", True, "kt-kernel", E),
-            "channel": Case("fp8_channel", "slow-peer", False, "kt-kernel", E),
-            "bf16": Case("bf16", "slow-peer", False, "moetrace", E),
-            "bf16_patched": Case("bf16", "slow-peer", True, "moetrace", E),
-            "user_fork": Case("fp8_block", "slow-peer", False, "kt-kernel", E, user_fork),
-            "user_fork_channel": Case("fp8_channel", "slow-peer", False, "moetrace", E, user_fork),
-        }
-        results = run_conform(list(cases.values()), tp=2, workdir=str(work / "conform"))
-        return {"work": str(work / "conform"), "docs": {k: result_doc(r) for k, r in zip(cases, results)}}
-
-    d = once_per_session(tmp_path_factory, "conform", run)
+    d = session_job(tmp_path_factory, "conform")
+    if "missing" in d:
+        if REQUIRE:
+            pytest.fail(f"MOETRACE_REQUIRE_FORK=1 but {d['missing']}")
+        pytest.skip(d["missing"])
     return d["docs"], Path(d["work"])
 
 
@@ -113,7 +204,7 @@ def held(doc: dict, rank: int, tensor: str) -> list:
 
 def _clean(doc: dict, tp: int = 2):
     t = doc["analysis"]["totals"]
-    assert doc["exit_code"] == 0 and doc["status"] == "match", doc["totals"]
+    assert doc["exit_code"] == 0 and doc["status"] == "match", (doc["totals"], doc["error"])
     assert t["tensors"] == t["match"] == tp * E * len(COPY_ORDERS[doc["case"]["fmt"]]) and t["missing"] == 0
 
 
@@ -121,7 +212,7 @@ def test_shipped_fork_is_caught_rank1_holds_e_plus_2(conform_runs):
     """Negative control: the fork as installed, rank 1 reading late, FP8 block TP2."""
     doc = conform_runs[0]["shipped"]
     assert doc["exit_code"] == 1 and doc["status"] == "divergent"
-    staged = list(range(E))  # FP8: every expert, id order, although load was handed a GPU mask
+    staged = list(range(E))  # FP8 (0.6.4 on): every expert, id order, although load was handed a GPU mask
     for tensor in COPY_ORDERS["fp8_block"]:
         assert held(doc, 0, tensor) == list(range(E))
         assert held(doc, 1, tensor) == expected_held(staged) == [2, 3, 4, 5, 4, 5]
@@ -129,16 +220,21 @@ def test_shipped_fork_is_caught_rank1_holds_e_plus_2(conform_runs):
     e = first["entries"][0]
     assert (first["ranks"], e["tp_rank"], e["expert"], e["verdict"], e["k"]) == (["1"], 1, 0, "stale", 2)
     assert "rank 1, expert 0: w13_weight holds expert 2 (E+2)" in doc["first_divergence"][0]
+    assert doc["e_plus_k"] == [2] and doc["method"] == FP8
     if REQUIRE:
         assert doc["writer_kind"] == "kt-kernel" and doc["writer"].startswith("kt-kernel 0.7.2 FP8 wrapper")
 
 
-def test_patched_fence_passes_on_the_same_schedule(conform_runs):
-    doc = conform_runs[0]["patched"]
-    _clean(doc)
-    assert "_prepare_weight_fp8" in doc["patched"]
+def test_patched_fence_passes_every_format_it_patches(conform_runs):
+    """--patch-fence, derived from the class's AST, fences the method load dispatches the
+    format to, and each passes on the schedule that catches the shipped code."""
+    docs = conform_runs[0]
+    for name, method in (("patched", FP8), ("channel_patched", "_prepare_weight_fp8_channel"),
+                         ("bf16_patched", "_prepare_weight_bf16")):
+        _clean(docs[name])
+        assert docs[name]["patched"] == docs[name]["patch"]["methods"] == [method], name
     if REQUIRE:
-        assert doc["writer_kind"] == "kt-kernel"
+        assert docs["patched"]["writer_kind"] == "kt-kernel"
 
 
 def test_fp8_staging_ignores_the_gpu_mask_bf16_copies_it_first(conform_runs):
@@ -164,22 +260,46 @@ def test_fp8_channel_and_bf16_race_too(conform_runs):
     assert bf["exit_code"] == 1 and bf["writer_kind"] == "moetrace"
     assert all(held(bf, 1, t) == expected_held(cpu) for t in COPY_ORDERS["bf16"])
     assert all(held(bf, 1, t)[e] == e for t in COPY_ORDERS["bf16"] for e in MASK)  # resident: never staged
-    _clean(docs["bf16_patched"])
+    assert bf["e_plus_k"] == [2, 3]  # staged positions skip the mask: expert 0 (position 0) holds 3
 
 
-def test_a_fork_patched_by_hand_validates_without_patch_fence(conform_runs):
+def test_a_fork_fenced_by_hand_validates_without_patch_fence(conform_runs):
     """The user's workflow: their own fenced fork, --fork-path, no --patch-fence: exit 0.
-    The PR's scope is _prepare_weight_fp8, so the same fork's FP8-channel path still races."""
+    Fencing _prepare_weight_fp8 only (the PR's scope) leaves the FP8-channel path racing."""
     docs = conform_runs[0]
-    _clean(docs["user_fork"])
-    assert docs["user_fork"]["patched"] == [] and docs["user_fork"]["fork"]["version"] == "unknown"
+    _clean(docs["hand"])
+    assert docs["hand"]["patched"] == [] and docs["hand"]["fork"]["version"] == "unknown"
+    assert docs["hand"]["fork"]["released"] is None  # no RECORD beside a hand-made file
     assert docs["user_fork_channel"]["exit_code"] == 1
+
+
+@pytest.mark.parametrize("variant", WRONG)
+def test_a_wrong_fence_is_caught(conform_runs, variant):
+    """Barrier after the refill, rank-0-only drain, event sync without a barrier, only
+    the first-write fence: each leaves rank 1 holding a later expert's bytes."""
+    doc = conform_runs[0][variant]
+    assert doc["exit_code"] == 1 and doc["status"] == "divergent", (variant, doc["totals"], doc["error"])
+    assert doc["e_plus_k"] and all(k > 0 for k in doc["e_plus_k"])
+
+
+def test_a_release_before_0_6_4_runs_and_holds_e_plus_3(conform_runs):
+    """sglang-kt 0.5.2: no initialize_cpu_buffers, no _restore_raw_attrs, FP8 copies the
+    GPU-mask experts directly; conform drives what its own __init__ and load reach."""
+    docs = conform_runs[0]
+    if "old" not in docs:
+        pytest.skip(f"{OLD_RELEASE} not installed")
+    doc = docs["old"]
+    cpu = [e for e in range(E) if e not in MASK]
+    assert doc["fork"]["version"] == "0.5.2" and doc["fork"]["released"] is True
+    assert doc["exit_code"] == 1 and all(held(doc, 1, t) == expected_held(cpu) for t in COPY_ORDERS["fp8_block"])
+    assert "holds expert 3 (E+3)" in doc["first_divergence"][0] and doc["e_plus_k"] == [2, 3]
+    _clean(docs["old_patched"])
 
 
 def test_guard_in_the_forks_load_counts_what_the_analysis_finds(conform_runs):
     """The in-server guard ran inside the fork's real load (record, all rows): each rank's
     mismatch counter is exactly its divergent rows in the analysis; the patched fork keeps
-    every counter at zero with full coverage."""
+    every counter at zero with full coverage; the line counts loads as the record does."""
     docs = conform_runs[0]
     for name in ("shipped", "channel", "bf16", "patched", "bf16_patched"):
         doc = docs[name]
@@ -189,8 +309,42 @@ def test_guard_in_the_forks_load_counts_what_the_analysis_finds(conform_runs):
             want = sum(1 for r in rows if r["tp_rank"] == rank)
             assert g["tensors"]["mismatch"] == want and g["tensors"]["unverified"] == 0, (name, rank)
             assert g["coverage"] == {"staged": 1.0} and g["loads"]["mismatch"] == (1 if want else 0), (name, rank)
+            loads = sum(g["loads"].values())
+            assert f"{g['loads']['mismatch']}/{loads} load" in guard_sentence({str(rank): g}), (name, rank)
         assert (doc["guard"]["1"]["tensors"]["mismatch"] > 0) == (not doc["case"]["patch_fence"]), name
     assert docs["patched"]["guard"]["0"]["status"] == docs["patched"]["guard"]["1"]["status"] == "ok"
+    assert "0/1 load mismatched" in guard_sentence(docs["patched"]["guard"])
+
+
+def test_provenance_names_the_file_and_class_that_ran(conform_runs):
+    docs = conform_runs[0]
+    src = installed_fork()
+    f = docs["shipped"]["fork"]
+    assert f["file_sha256"] == hashlib.sha256(src.path.read_bytes()).hexdigest() == f["released_sha256"]
+    assert f["released"] is True and f["distribution"] == "sglang-kt" and f["version"] == src.version
+    assert docs["hand"]["fork"]["file_sha256"] != f["file_sha256"]
+    assert docs["hand"]["fork"]["class_sha256"] != f["class_sha256"]
+    diff = docs["patched"]["patch"]["diff"].splitlines()
+    added = [ln for ln in diff if ln.startswith("+") and not ln.startswith("+++")]
+    assert not [ln for ln in diff if ln.startswith("-") and not ln.startswith("---")]  # the fence only adds
+    assert any("dist.barrier(" in ln for ln in added) and any(".synchronize()" in ln for ln in added)
+    assert docs["shipped"]["patch"] is None
+    line = result_lines(docs["patched"])[0]
+    assert f["file_sha256"][:12] in line and "the released file" in line and "patched into _prepare_weight_fp8" in line
+
+
+def test_a_writer_dying_by_sigill_is_named_and_moetraces_writer_stands_in(conform_runs):
+    doc = conform_runs[0]["sigill"]
+    assert doc["writer_kind"] == "moetrace", doc["error"]
+    assert "because kt-kernel 0.6.4's FP8 writer needs " in doc["writer"] and ": illegal instruction" in doc["writer"]
+    assert doc["exit_code"] == 1  # the fork as shipped is still caught, with moetrace's writer
+
+
+def test_signal_words_name_the_isa():
+    assert signal_words(-4, "kt-kernel 0.6.4's FP8 writer", {"avx", "avx2"})[1].startswith(
+        "kt-kernel 0.6.4's FP8 writer needs AVX-512: illegal instruction")
+    assert "needs AMX" in signal_words(-4, "w", {"avx2", "avx512f"})[1]
+    assert signal_words(-11, "", set()) == ("crash", "rank 0 died by SIGSEGV (segmentation fault) in the fork's code")
 
 
 def test_result_lines_name_the_stale_experts(conform_runs):
@@ -198,7 +352,7 @@ def test_result_lines_name_the_stale_experts(conform_runs):
     text = "\n".join(result_lines(doc))
     assert "DIVERGENT" in text and "rank 1 w13_weight/w13_weight_scale_inv/w2_weight/w2_weight_scale_inv: " \
                                     "experts 0..5 hold [2, 3, 4, 5, 4, 5]" in text
-    assert (doc["schema"], doc["version"], doc["analysis"]["status"]) == ("moetrace.conform", 1, "divergent")
+    assert (doc["schema"], doc["version"], doc["analysis"]["status"]) == ("moetrace.conform", 2, "divergent")
     assert result_lines(doc)[-1].startswith("DIVERGENT: ")  # the verdict is the last line
     assert result_lines(conform_runs[0]["patched"])[-1].startswith("PASS: every rank holds its shard")
 
@@ -213,27 +367,136 @@ def test_no_fork_or_unsupported_fork_exits_2_naming_what_is_missing(tmp_path):
     bad.parent.mkdir(parents=True)
     bad.write_text("class SharedFullContext:\n    def load(self, layer_idx, wrapper):\n        pass\n")
     r = CliRunner().invoke(main, ["conform", "--fork-path", str(tmp_path / "bad")])
-    assert r.exit_code == 2 and "has no method _prepare_weight_fp8" in r.output and len(r.output.splitlines()) == 1
+    assert r.exit_code == 2 and len(r.output.splitlines()) == 1
+    assert "SharedFullContext has no method __init__" in r.output
 
 
-def test_patch_fence_refuses_a_loop_it_does_not_know(tmp_path):
-    fixed = hand_patched_fork(tmp_path)  # its _prepare_weight_fp8 has no rank-0-only wait left to replace
-    r = CliRunner().invoke(main, ["conform", "--fork-path", str(fixed), "--patch-fence"])
-    assert r.exit_code == 2 and "--patch-fence: _prepare_weight_fp8 has no staging loop" in r.output
+def test_a_missing_method_that_load_reaches_is_named(tmp_path):
+    """Requirements come from the class: drop a method the installed load calls, and the
+    refusal names it and its caller; drop one nothing reaches, and nothing is required."""
+    reach = requirements.derive(fork_source.parse_fork(installed_fork()).cls_node).methods
+    assert "_restore_raw_attrs" in reach and "_prepare_weight_fp8" in reach
+
+    def drop(name):
+        return lambda cls: cls.body.remove(next(f for f in cls.body if getattr(f, "name", "") == name))
+
+    fork = write_variant(tmp_path / "no-restore", drop("_restore_raw_attrs"))
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["conform", "--fork-path", str(fork), "--json-out", str(out)])
+    assert r.exit_code == 2 and len(r.output.splitlines()) == 1, r.output
+    assert "SharedFullContext.load calls self._restore_raw_attrs(), which the class does not define" in r.output
+    doc = json.loads(out.read_text())  # a document for exit 2 too
+    assert doc["exit_code"] == 2 and "_restore_raw_attrs" in doc["error"] and doc["fork"]["released"] is None
+    unreached = next(m for m in requirements.methods_of(fork_source.parse_fork(installed_fork()).cls_node)
+                     if m not in reach and m not in requirements.PROVIDED and not m.startswith("__"))
+    fine = write_variant(tmp_path / "no-unreached", drop(unreached))
+    tree = fork_source.parse_fork(fork_source.find_fork(str(fine))).cls_node
+    assert not requirements.derive(tree).missing
 
 
-def test_patch_fence_rewrites_each_staging_loop():
+def test_requirements_of_a_release_before_0_7():
+    old = old_release()
+    if old is None:
+        pytest.skip(f"{OLD_RELEASE} not installed")
+    req = requirements.derive(fork_source.parse_fork(fork_source.find_fork(str(old))).cls_node)
+    assert not req.missing and "initialize_cpu_buffers" not in req.methods and "_create_cpu_buffers" in req.methods
+    assert req.dispatch["fp8_block"] == FP8 and "mxfp4" not in req.dispatch
+
+
+def test_int4_is_refused_by_name_with_a_document(tmp_path):
+    out = tmp_path / "int4.json"
+    r = CliRunner().invoke(main, ["conform", "--format", "int4", "--json-out", str(out)])
+    installed_fork()
+    assert r.exit_code == 2 and "_prepare_weight_int4" in r.output and "Marlin" in r.output
+    doc = json.loads(out.read_text())
+    assert (doc["exit_code"], doc["status"], doc["method"]) == (2, "refused", "_prepare_weight_int4")
+
+
+def test_json_out_is_checked_before_the_run(tmp_path):
+    r = CliRunner().invoke(main, ["conform", "--json-out", str(tmp_path)])
+    assert r.exit_code == 2 and "--json-out" in r.output and "directory" in r.output and len(r.output.splitlines()) == 1
+
+
+def test_patch_fence_refuses_a_method_without_the_reader_wait(tmp_path):
+    fixed = hand_fenced(tmp_path, "hand")  # a fence written in: still has the wait, so patchable again
+    cls = fork_source.parse_fork(fork_source.find_fork(str(fixed))).cls_node
+
+    def no_wait(cls):  # every `<events>[<i> - 1].synchronize()` statement of the method becomes `pass`
+        fn = next(f for f in cls.body if getattr(f, "name", "") == FP8)
+        for node in ast.walk(fn):
+            for field in ("body", "orelse"):
+                stmts = getattr(node, field, None)
+                if isinstance(stmts, list):
+                    setattr(node, field, [ast.Pass() if isinstance(s, ast.Expr) and fence.reader_wait(s) else s
+                                          for s in stmts])
+
+    assert fence.patch_fence(cls, [FP8]) == [FP8]
+    bare = write_variant(tmp_path / "bare", no_wait)
+    r = CliRunner().invoke(main, ["conform", "--fork-path", str(bare), "--patch-fence"])
+    assert r.exit_code == 2 and f"--patch-fence: {FP8}: its staging loop has no reader wait" in r.output, r.output
+
+
+def test_patch_fence_derives_the_fence_from_the_ast():
+    """The fence goes before the loop statement that refills a slot, in the loop's own
+    names, and before the first write; the cached tree stays the file's."""
     parsed = fork_source.parse_fork(installed_fork())
-    cls = copy.deepcopy(parsed.cls_node)
-    assert fork_fence.check_patchable(cls) == list(fork_fence.METHODS)
-    ns = {"torch": None, "dist": None, "get_tp_group": None}
-    assert fork_fence.patch_fence(cls, ns) == list(fork_fence.METHODS)
-    for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in fork_fence.METHODS):
-        src = ast.unparse(fn)
-        assert src.count(f"{fork_fence.READER_FENCE}(idx, len(cpu_expert_ids), events)") == 1
-        assert "events[idx - 1].synchronize()" not in src  # rank 0's own wait became every rank's fence
-        assert src.index(f"{fork_fence.FIRST_FENCE}()") < src.index("submit_write_expert(cpu_expert_ids[0], 0)")
-    assert "events[idx - 1].synchronize()" in ast.unparse(parsed.cls_node)  # the cached tree stays the file's
+    req = requirements.derive(parsed.cls_node)
+    for fmt in ("fp8_block", "fp8_channel", "bf16", "int4"):
+        method = req.dispatch[fmt]
+        cls = ast.parse(ast.unparse(parsed.cls_node)).body[0]
+        fn = next(f for f in cls.body if getattr(f, "name", "") == method)
+        loop, at, first = fence.staging_loop(fn)
+        before = len(loop.node.body)
+        fence.patch_fence(cls, [method])
+        assert len(loop.node.body) == before + 1
+        events, i = fence.reader_wait(loop.node)
+        inserted = ast.unparse(next(s for s in loop.node.body if "barrier" in ast.unparse(s)
+                                    and isinstance(s, ast.If) and f"{i} > 0" in ast.unparse(s.test)))
+        assert f"{events}[{i} - 1].synchronize()" in inserted and "dist.barrier(" in inserted, fmt
+        assert ast.unparse(fn.body[first]) == "torch.cuda.synchronize()", fmt
+    assert "__moetrace" not in ast.unparse(parsed.cls_node) and ast.unparse(parsed.cls_node).count("dist.barrier(") \
+        < ast.unparse(cls).count("dist.barrier(")
+
+
+# ----------------------------------------------------------------- releases (no network)
+
+
+def test_release_selection_and_matching_kernels():
+    have = ["0.5.2", "0.6.1", "0.6.4", "0.7.0", "0.7.0.post2", "0.7.2"]
+    assert releases.select("all", have) == have
+    assert releases.select("0.6.1..0.7.0", have) == ["0.6.1", "0.6.4", "0.7.0"]
+    assert releases.select("..0.6.1", have) == ["0.5.2", "0.6.1"]
+    assert releases.select("0.7.2,0.5.2", have) == ["0.5.2", "0.7.2"]
+    from moetrace.errors import MoetraceError
+
+    with pytest.raises(MoetraceError, match="no sglang-kt release matches"):
+        releases.select("0.8..0.9", have)
+    with pytest.raises(MoetraceError, match="expected all, A..B or A,B"):
+        releases.select("latest", have)
+    kernels = ["0.5.2", "0.6.1.post1", "0.7.0.post1", "0.7.2"]
+    assert releases.kernel_for("0.7.2", ["kt-kernel==0.7.2"], kernels) == ("0.7.2", "")
+    assert releases.kernel_for("0.5.2", ["tiktoken"], kernels) == ("0.5.2", "")
+    assert releases.kernel_for("0.6.2", [], kernels)[0] == "0.6.1.post1"
+    got, note = releases.kernel_for("0.7.0.post2", ["kt-kernel==0.7.0.post2"], kernels)
+    assert got == "0.7.0.post1" and "its pin kt-kernel==0.7.0.post2 is not on the index" in note
+
+
+def test_a_release_that_cannot_be_installed_is_a_row():
+    from moetrace.jobs.conform_releases import run_release, table
+
+    why = "pip install --target sglang-kt==0.7.0.post3 kt-kernel==0.7.0.post2: ERROR: No matching distribution"
+    rows = run_release("0.7.0.post3", releases.Release("0.7.0.post3", None, "0.7.0.post2", why), ("fp8_block",),
+                       2, E, "slow-peer", "kt-kernel")
+    assert [(r["release"], r["verdict"], r["exit_code"], r["why"]) for r in rows] == \
+        [("0.7.0.post3", "NOT INSTALLED", 2, why)]
+    lines = table(rows)
+    assert lines[0].split() == ["release", "kt-kernel", "format", "fence", "verdict", "E+k", "seconds"]
+    assert lines[-1] == f"why 0.7.0.post3 -: {why}"
+
+
+def test_releases_refuse_the_single_run_options():
+    r = CliRunner().invoke(main, ["conform", "--releases", "all", "--fork-path", "x"])
+    assert r.exit_code == 2 and "--fork-path does not go with --releases" in r.output and len(r.output.splitlines()) == 1
 
 
 # ---------------------------------------------------------- the simulated runtime
@@ -247,7 +510,7 @@ def test_streams_are_fifo_and_events_mark_them():
     class Until(sim_cuda.Hold):
         label = "test hold"
 
-        def releasable(self):
+        def releasable(self, demanded):
             return gate["open"]
 
     src, dst = torch.arange(4.0), torch.zeros(3, 4)
@@ -271,4 +534,31 @@ def test_streams_are_fifo_and_events_mark_them():
             leaf[0].copy_(src, non_blocking=True)
         cuda.synchronize()
     assert leaf[0].tolist() == src.tolist()
+    rt.close()
+
+
+def test_a_held_copy_runs_when_its_issuer_waits_for_it():
+    """The slow peer's latest point: a copy held until demanded runs once the issuing
+    thread waits for it, also through another stream's wait on its event."""
+    rt = sim_cuda.SimRuntime(0, timeout_s=10)
+    cuda = rt.cuda_module()
+
+    class UntilDemanded(sim_cuda.Hold):
+        label = "test hold"
+
+        def releasable(self, demanded):
+            return demanded
+
+    src, dst = torch.arange(4.0), torch.zeros(2, 4)
+    copy_stream, post_stream = cuda.Stream(), cuda.Stream()
+    rt.copy_hook = lambda d, x: UntilDemanded()
+    copied, after = cuda.Event(), cuda.Event()
+    with cuda.stream(copy_stream):
+        dst[0].copy_(src, non_blocking=True)
+        copied.record(copy_stream)
+    post_stream.wait_event(copied)
+    after.record(post_stream)
+    assert not copied.query() and not after.query() and dst[0].sum() == 0  # nobody waits: held
+    after.synchronize()  # waits for post_stream, which waits for the copy
+    assert copied.query() and dst[0].tolist() == src.tolist()
     rt.close()

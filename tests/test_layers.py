@@ -17,9 +17,10 @@ ALLOWED = {
     "tracer": {"checkpoints"},
     "hooks": {"checkpoints", "tracer"},
     "analysis": {"checkpoints", "tracer.manifest"},
-    "emulator": {"checkpoints", "tracer", "hooks"},
-    "jobs": {"checkpoints", "tracer", "hooks", "analysis", "emulator"},
-    "cli": {"checkpoints", "tracer", "hooks", "analysis", "emulator", "jobs"},
+    "conform": {"checkpoints", "tracer", "hooks"},
+    "emulator": {"checkpoints", "tracer", "hooks", "conform"},
+    "jobs": {"checkpoints", "tracer", "hooks", "analysis", "conform", "emulator"},
+    "cli": {"checkpoints", "tracer", "hooks", "analysis", "conform", "emulator", "jobs"},
 }
 SCAFFOLDING = {"tests", "bench", "docs", "build", ".venv", ".git"}
 
@@ -91,5 +92,7 @@ def test_the_checker_sees_what_it_must():
     assert not allowed(["tracer", "capture"], ["hooks", "fused_moe"])
     assert allowed(["analysis", "report"], ["tracer", "manifest"]) and not allowed(["analysis", "x"], ["tracer", "sink"])
     assert allowed(["hooks", "kt"], ["tracer", "capture"]) and allowed(["cli"], ["jobs", "demo"])
+    assert allowed(["emulator", "staging"], ["conform", "writer"]) and not allowed(["conform", "rank"], ["emulator", "x"])
     assert {layer_of(module_name(p)) for p in package_modules()} >= {"bottom", "checkpoints", "tracer", "hooks",
-                                                                     "analysis", "emulator", "jobs", "cli"}
+                                                                     "analysis", "conform", "emulator", "jobs",
+                                                                     "cli"}

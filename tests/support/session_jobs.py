@@ -1,6 +1,6 @@
 """Runs that happen once per test session, whichever pytest-xdist worker asks first.
 
-Jobs (the demo pair, the GPU script's dry run) are commands started in the background as
+Jobs (the demo pair, the GPU script's dry run, conform's cases) are commands started in the background as
 soon as collection shows that a selected test needs one, so they run beside the cheap
 tests instead of holding a worker; their fixtures wait for the result. ``once`` runs a
 function in the asking process under a file lock, for module-scoped servers.
@@ -43,7 +43,14 @@ def _gpu_dry_run(folder: Path) -> dict:
     return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr, "out": str(folder)}
 
 
-JOBS: dict[str, Callable[[Path], dict]] = {"demo": _demo, "gpu-dry-run": _gpu_dry_run}
+def _conform(folder: Path) -> dict:
+    """Every real `moetrace conform` case of tests/test_conform.py (its run_cases)."""
+    from test_conform import run_cases
+
+    return run_cases(folder)
+
+
+JOBS: dict[str, Callable[[Path], dict]] = {"demo": _demo, "gpu-dry-run": _gpu_dry_run, "conform": _conform}
 
 
 def _paths(root: Path, name: str) -> tuple[Path, Path, Path]:

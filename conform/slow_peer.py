@@ -4,9 +4,13 @@ A held copy (by default every copy a rank > 0 issues from a host slot) does not
 start until either
 - rank 0 has completed a later write into that slot (the copy then reads the
   refill: E+2 in the fork's double-buffered loop), or
-- rank 0 waits in a collective this rank has not reached when it issued the
-  copy (rank 0 then waits for this rank: a copy cannot be later than that,
-  which is what any fence relies on).
+- the issuing rank itself waits for it (an event or stream it is behind is
+  synchronized, or torch.cuda.synchronize(): conform/sim_cuda.py's demand) and
+  rank 0 waits in a collective this rank has not reached (rank 0 can then
+  refill nothing more before this rank moves: the latest the copy can run).
+A collective alone completes no copy (a rank reaches a barrier with its copies
+in flight), and an event sync alone does not stop rank 0 (it refills while the
+peer is still on its way to the sync): a fence needs both, on every rank.
 Everything else is made on time: rank 0 completes a submitted native write
 before it enters a collective; after each completed write or collective entry
 it waits until every peer's streams ran what became runnable; and before it
@@ -27,7 +31,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from moetrace.emulator.sim_cuda import QUIET, Hold, SimRuntime, SimTimeout
+from moetrace.conform.sim_cuda import QUIET, Hold, SimRuntime, SimTimeout
 
 MAX_SLOTS = 8
 _VERSION, _IN_COLLECTIVE, _SLOT0 = 0, 1, 2
@@ -74,18 +78,18 @@ class Control:
 
 
 class PeerHold(Hold):
-    def __init__(self, ctl: Control, slot: int, key: int, collectives: int, label: str):
-        self.ctl, self.slot, self.key, self.collectives, self.label = ctl, slot, key, collectives, label
+    def __init__(self, ctl: Control, slot: int, key: int, peer: "SlowPeer", label: str):
+        self.ctl, self.slot, self.key, self.peer, self.label = ctl, slot, key, peer, label
 
-    def releasable(self) -> bool:
+    def releasable(self, demanded: bool) -> bool:
         w = self.ctl.words
-        return int(w[_SLOT0 + self.slot]) > self.key or int(w[_IN_COLLECTIVE]) > self.collectives
+        return int(w[_SLOT0 + self.slot]) > self.key or (demanded and int(w[_IN_COLLECTIVE]) > self.peer.collectives)
 
     def describe(self) -> str:
         last = int(self.ctl.words[_SLOT0 + self.slot])
         return (f"held until rank 0 refills slot {self.slot} (last write there: {last & 0xFFFFFF} of load "
-                f"{last >> 24}; this copy reads {self.key & 0xFFFFFF} of load {self.key >> 24}) or waits in a "
-                f"collective after this rank's {self.collectives}th; it did neither")
+                f"{last >> 24}; this copy reads {self.key & 0xFFFFFF} of load {self.key >> 24}) or this rank "
+                f"waits for it while rank 0 waits in a collective past this rank's {self.peer.collectives}th")
 
 
 class OnTime(Hold):
@@ -94,7 +98,7 @@ class OnTime(Hold):
     def __init__(self, done, label: str):
         self.done, self.label = done, label
 
-    def releasable(self) -> bool:
+    def releasable(self, demanded: bool) -> bool:
         return True
 
 
@@ -129,7 +133,8 @@ class SlowPeer:
         self._ontime: dict[int, int] = {}  # position -> on-time copies done (this load)
         self._ontime_per_expert = 0
         self._pending: list[tuple[int, int]] = []  # rank 0: (slot, key) submitted, not yet synced
-        self._writes = self._collectives = self._load = 0
+        self._writes = self._load = 0
+        self.collectives = 0  # entered so far (they match in order on every rank)
         self._writer = None
         runtime.control_version = ctl.version
         if rank == 0:
@@ -156,12 +161,12 @@ class SlowPeer:
         self._writes = 0
 
     def before_collective(self, what: str) -> None:
-        self._collectives += 1  # collectives match in order on every rank
+        self.collectives += 1
         if self.rank != 0:
             return
         if self._pending and self._writer is not None:
             self._writer.sync_write_weight_scale_to_buffer()  # completes, publishes and drains
-        self.ctl.words[_IN_COLLECTIVE] = self._collectives
+        self.ctl.words[_IN_COLLECTIVE] = self.collectives
         v = self.ctl.bump()
         self._wait(lambda r: int(self.ctl.words[_ACK0 + r]) >= v, f"entering {what}")
 
@@ -186,7 +191,7 @@ class SlowPeer:
         pos = self._positions.setdefault(expert, len(self._positions))
         label = f"rank {self.rank} expert {expert} {name} from slot {slot}"
         if self.slow and (self.tensors is None or name in self.tensors):
-            return PeerHold(self.ctl, slot, _key(self._load, pos), self._collectives, label)
+            return PeerHold(self.ctl, slot, _key(self._load, pos), self, label)
         return OnTime(lambda: self._copied(pos), label)
 
     def _copied(self, pos: int) -> None:

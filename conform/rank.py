@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -37,7 +38,7 @@ class RankCase:
     run_id: str
     fmt: str
     schedule: str  # "slow-peer" | "none"
-    patch_fence: bool
+    fence_methods: tuple[str, ...]  # --patch-fence: the staging methods to fence (empty: as installed)
     writer: str  # "kt-kernel" | "moetrace"
     checkpoint: str
     checkpoint_id: str
@@ -51,6 +52,7 @@ class RankCase:
     fork_version: str
     index: str | None = None  # the guard verifies every load against it on the rank's device (None: off)
     guard_rows: str = "all"  # "all": the whole trace for the analysis; "mismatch": production's rows
+    writer_note: str = ""  # why moetrace's writer stands in (said in the writer's words)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class RankJob:
     control: str | None  # shared-memory name of the slow-peer Control block
     results: str  # folder for rank<r>.json and rank<r>.log
     kt_path: str | None  # folder appended to sys.path for kt_kernel
+    kt_version: str | None
     timeout_s: float
     cases: tuple[RankCase, ...] = ()
 
@@ -103,24 +106,31 @@ class QuantMethodStandIn:
     """ctx.gpu_method: on the paths conform runs the fork reads only its class name."""
 
 
-def build_context(cls, layer: torch.nn.Module):
-    """The state SharedFullContext.__init__/_build_layers leave, around `layer`;
-    then the fork's own format detection and host-slot setup."""
-    ctx = cls.__new__(cls)
-    ctx._global_num_experts = layer.num_experts
-    ctx.gpu_layer = layer
-    ctx.gpu_method = QuantMethodStandIn()
-    ctx._detect_quant_type_from_created_weights()
-    for attr in ("is_mxfp4_quant", "is_mxfp8_quant", "is_fp8_quant", "is_fp8_channel_quant", "is_bf16_quant"):
-        if hasattr(ctx, attr):  # _build_layers freezes both spellings
-            setattr(ctx, f"_{attr}", getattr(ctx, attr))
-    ctx._raw_weight_shapes = {n: (tuple(getattr(layer, n).shape), getattr(layer, n).dtype, getattr(layer, n).device)
-                              for n in ctx.weight_names if hasattr(layer, n)}
-    ctx.original_params = dict(layer.named_parameters())
-    ctx.original_buffers = dict(layer.named_buffers())
-    ctx._cpu_buffers_initialized = False
-    ctx.initialize_cpu_buffers()
-    return ctx
+def build_context(compiled, layer: torch.nn.Module):
+    """The fork's own ``__init__`` around `layer`, with ``_build_layers`` (which needs
+    SGLang's quant methods and create_weights) replaced: it installs the layer, runs the
+    fork's own format detection and keeps what 0.7.x's keeps; the rest of ``__init__``
+    (original params, host-slot setup, whatever the release does) is the fork's."""
+
+    from moetrace.conform.requirements import detection_calls
+
+    cls, detect = compiled.cls, detection_calls(compiled.cls_node)
+
+    def _build_layers(self, layer_, init_args, global_num_experts, moe_runner_config):
+        self._global_num_experts = global_num_experts
+        self.gpu_layer = layer_
+        self.gpu_method = QuantMethodStandIn()
+        for name in detect:  # what the fork's _build_layers runs once create_weights made the params
+            getattr(self, name)()
+        for attr in ("is_mxfp4_quant", "is_mxfp8_quant", "is_fp8_quant", "is_fp8_channel_quant", "is_bf16_quant"):
+            if hasattr(self, attr):  # 0.7.x's _build_layers freezes both spellings
+                setattr(self, f"_{attr}", getattr(self, attr))
+        names = getattr(self, "weight_names", None) or ()
+        self._raw_weight_shapes = {n: (tuple(getattr(layer_, n).shape), getattr(layer_, n).dtype,
+                                       getattr(layer_, n).device) for n in names if hasattr(layer_, n)}
+
+    cls._build_layers = _build_layers  # a fresh class per compile: nothing else sees this
+    return cls(layer=layer, init_args=(), global_num_experts=layer.num_experts, moe_runner_config=None)
 
 
 def fork_format(ctx) -> str:
@@ -149,6 +159,18 @@ def kt_wrapper(checkpoint: str, fmt: str, layer: int, experts: int, hidden: int,
     return w, f"kt-kernel {getattr(kt_kernel, '__version__', '?')} {method} wrapper ({kt_kernel.__cpu_variant__} build)"
 
 
+def writer_name(kt_version: str | None, fmt: str) -> str:
+    return f"kt-kernel {kt_version or '?'}'s {KT_METHODS.get(fmt, fmt)} writer"
+
+
+def set_phase(job: "RankJob", rank: int, what: str, fmt: str = "") -> None:
+    """Name the native code rank 0 is running (kt-kernel's writer for `fmt`) in
+    results/rank0.phase, so a death by a signal is blamed on it, not on the fork
+    (jobs/conform.py)."""
+    if rank == 0:
+        (Path(job.results) / "rank0.phase").write_text(json.dumps({"what": what, "fmt": fmt}))
+
+
 def rank0_writer(want: str, checkpoint: str, fmt: str, layer: int, experts: int, hidden: int, intermediate: int,
                  mask: torch.Tensor, all_shards, names):
     """(writer, words, kind): kt-kernel's when asked for and it runs here, else moetrace's
@@ -163,7 +185,7 @@ def rank0_writer(want: str, checkpoint: str, fmt: str, layer: int, experts: int,
 
 
 def moetrace_writer(shards: list[dict], names):
-    from moetrace.emulator.writer import KTWrapperStandIn, NativeWriter
+    from moetrace.conform.writer import KTWrapperStandIn, NativeWriter
 
     return KTWrapperStandIn(-1, NativeWriter(60.0), shards, names)
 
@@ -172,16 +194,17 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
              contexts: list) -> CaseFacts:
     from moetrace.checkpoints.reader import open_checkpoint
     from moetrace.checkpoints.shards import Parallel, expected_layer
-    from moetrace.emulator import fork_env, fork_fence, fork_source, slow_peer
+    from moetrace.conform import env as fork_env, fence, slow_peer, source
     from moetrace.hooks.sglang_hook import make_hook
 
     world, t = job.tp, {"start": time.perf_counter()}
     schedule = (slow_peer.SlowPeer(control, rank, world, runtime, job.timeout_s) if case.schedule == "slow-peer"
                 else slow_peer.NoSchedule(runtime))
     provided, modules, env = fork_env.fork_namespace(runtime, schedule)
-    src = fork_source.ForkSource(Path(case.fork_file), case.fork_version, "")
-    compiled = fork_source.compile_fork(src, provided, modules,
-                                        patch=fork_fence.patch_fence if case.patch_fence else None)
+    src = source.ForkSource(Path(case.fork_file), case.fork_version, "")
+    methods = list(case.fence_methods)
+    compiled = source.compile_fork(src, provided, modules,
+                                   patch=(lambda node, ns: fence.patch_fence(node, methods, ns)) if methods else None)
     t["compile"] = time.perf_counter()
 
     ckpt = open_checkpoint(case.checkpoint)
@@ -199,21 +222,26 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
     guard = {"index": case.index, "guard": "record", "guard_rows": case.guard_rows} if case.index else {}
     make_hook({"out": case.traces, "run_id": case.run_id, "checkpoint_id": case.checkpoint_id, "tp_rank": rank,
                "tp_size": world, "kt": "auto", "cpu_threads": False, **guard})
-    ctx = build_context(compiled.cls, layer)
+    ctx = build_context(compiled, layer)
     fmt = fork_format(ctx)
     if fmt != case.fmt:
-        raise fork_source.ForkError(f"the fork's _detect_quant_type_from_created_weights sees {fmt} for a "
+        raise source.ForkError(f"the fork's _detect_quant_type_from_created_weights sees {fmt} for a "
                                     f"{case.fmt} layer: its format detection changed")
     schedule.attach_slots(ctx.cpu_buffers)
     wrapper, writer, kind = None, "none (only rank 0 writes)", "none"
     if rank == 0:
         key = (case.checkpoint, case.writer)
         if key not in kt_cache:  # one writer per checkpoint and process (kt-kernel's loads every expert)
+            if case.writer == "kt-kernel":
+                set_phase(job, rank, writer_name(job.kt_version, case.fmt), case.fmt)
             kt_cache[key] = rank0_writer(
                 case.writer, case.checkpoint, case.fmt, case.layer, case.experts, case.hidden, case.intermediate, mask,
                 lambda: [mine] + [expected_layer(ckpt, case.layer, r, Parallel(world)) for r in range(1, world)],
                 ctx.weight_names)
         w, writer, kind = kt_cache[key]
+        if kind == "moetrace" and case.writer_note:
+            writer = f"moetrace's emulator writer because {case.writer_note}"
+        set_phase(job, rank, writer_name(job.kt_version, case.fmt) if kind == "kt-kernel" else "", case.fmt)
         wrapper = schedule.observe_writer(w)
     t["setup"] = time.perf_counter()
     dist.barrier()
@@ -222,6 +250,7 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
         ctx.load(layer_idx=case.layer, wrapper=wrapper, original_layer=resident, gpu_experts_mask=mask,
                  logical_to_gpu_index=l2g)
     t["load"] = time.perf_counter()
+    set_phase(job, rank, "")
     modules["torch.distributed"].barrier()  # through the schedule: what is still held completes now
     # Kept alive, not closed: the fork's close() (also run by its __del__) calls gc.collect(),
     # ~0.3 s per case here; it unlinked the shared-memory names right after setup, so the
@@ -233,6 +262,33 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
     seconds = {b: round(t[b] - t[a], 3) for a, b in zip(names, names[1:])}
     return CaseFacts(case.run_id, writer, kind, fmt, compiled.patched, compiled.placeholders,
                      env["sched_setaffinity"], seconds)
+
+
+def cpu_isa() -> set[str]:
+    try:
+        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+def signal_words(code: int, phase: str, isa: set[str] | None = None) -> tuple[str, str]:
+    """(error kind, sentence) for a rank 0 that died by signal -code; `phase`: the native
+    code it was running (results/rank0.phase), "" for the fork's own."""
+    try:
+        sig = signal.Signals(-code)
+    except ValueError:
+        return "crash", f"rank 0 died by signal {-code}"
+    words = (signal.strsignal(sig) or sig.name).lower()
+    if not phase:
+        return "crash", f"rank 0 died by {sig.name} ({words}) in the fork's code"
+    if sig != signal.SIGILL:
+        return "writer", f"{phase} died by {sig.name}: {words}"
+    isa = cpu_isa() if isa is None else isa
+    needs = ("AVX-512" if "avx512f" not in isa else "AMX" if "amx_tile" not in isa
+             else "an instruction this CPU lacks")
+    have = "AVX2" if "avx512f" not in isa else "AVX-512" if "amx_tile" not in isa else "AVX-512 and AMX"
+    return "writer", f"{phase} needs {needs}: {words} (SIGILL; this CPU has {have})"
 
 
 def _fork_frame(err: BaseException, fork_files: set) -> str:
@@ -260,7 +316,7 @@ def rank_main(rank: int, job: RankJob) -> None:
     try:
         if job.kt_path and job.kt_path not in sys.path:
             sys.path.append(job.kt_path)
-        from moetrace.emulator import fork_env, sim_cuda, slow_peer
+        from moetrace.conform import env as fork_env, sim_cuda, slow_peer
 
         fork_env.block_sglang_imports()
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -284,7 +340,7 @@ def rank_main(rank: int, job: RankJob) -> None:
     except BaseException as err:
         from moetrace.errors import MoetraceError
 
-        from moetrace.emulator.fork_source import ForkError
+        from moetrace.conform.source import ForkError
 
         kind = ("layout" if isinstance(err, ForkError) else "refused" if isinstance(err, MoetraceError) else
                 "timeout" if type(err).__name__ == "SimTimeout" else

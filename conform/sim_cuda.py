@@ -32,7 +32,8 @@ class SimTimeout(RuntimeError):
 class Hold:
     """What a held copy waits for; schedule.py implements it."""
 
-    def releasable(self) -> bool:
+    def releasable(self, demanded: bool) -> bool:
+        """`demanded`: the issuing process waits for this copy now (SimStream.demand)."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -64,6 +65,7 @@ class SimStream:
         self._cv = threading.Condition()
         self._issued = 0
         self._done = 0
+        self._demanded = 0  # a host thread waits for the ops through this one: a held copy among them runs
         self.settled_version = -1  # schedule handshake: last control version this stream was quiet at (_settle)
         self.error: BaseException | None = None
         self._closed = False
@@ -99,9 +101,18 @@ class SimStream:
     def done_through(self, seq: int) -> bool:
         return self._done >= seq
 
+    def demand(self, seq: int) -> None:
+        """A host thread waits for the ops through `seq`: their holds are told (a GPU copy
+        is late at most until the issuing rank waits for it and nothing else can move)."""
+        with self._cv:
+            if seq > self._demanded:
+                self._demanded = seq
+                self._cv.notify_all()
+
     def synchronize(self, what: str = "") -> None:
         with self._cv:
             target = self._issued
+        self.demand(target)
         self._wait(lambda: self._done >= target, what or f"{self.name} to drain")
 
     def _wait(self, cond, what: str) -> None:
@@ -170,10 +181,13 @@ class SimStream:
         """True when op may run now; else publish that this stream is quiet and poll."""
         rt = self.runtime
         version = rt.control_version()
+        demanded = self._done < self._demanded  # this head op is one a host thread waits for
         if op.kind == "wait":
+            if demanded and op.event._stream is not None:
+                op.event._stream.demand(op.event._seq)  # what this stream waits for is waited for too
             ok = op.event.query()
         elif op.hold is not None:
-            ok = op.hold.releasable()
+            ok = op.hold.releasable(demanded)
             if not ok and time.monotonic() - op.queued_at > rt.timeout_s:
                 raise SimTimeout(f"rank {rt.rank}: copy {op.label} still held after {rt.timeout_s:g} s: "
                                  f"{op.hold.describe()}")
@@ -202,6 +216,7 @@ class SimEvent:
     def synchronize(self) -> None:
         if self._stream is not None:
             s, seq = self._stream, self._seq
+            s.demand(seq)
             s._wait(lambda: s.done_through(seq), f"an event on {s.name}")
 
     def wait(self, stream: SimStream | None = None) -> None:

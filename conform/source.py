@@ -15,6 +15,7 @@ import ast
 import builtins
 import copy
 import functools
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -31,10 +32,6 @@ WRAPPER_REL = Path("sglang/srt/layers/moe/kt_ep_wrapper.py")
 MODULE_NAME = "sglang.srt.layers.moe.kt_ep_wrapper"
 CLASS_NAME = "SharedFullContext"
 SIDE_DIR_NAME = "kt-side"
-# Methods conform drives; each must exist on the compiled class.
-REQUIRED_METHODS = ("load", "_prepare_weight_fp8", "_prepare_weight_fp8_channel", "_prepare_weight_bf16",
-                    "initialize_cpu_buffers", "_create_cpu_buffers", "_restore_raw_attrs",
-                    "_detect_quant_type_from_created_weights")
 
 
 class ForkError(MoetraceError):
@@ -115,7 +112,7 @@ def _missing(name: str, origin: str) -> type:
         def __call__(cls, *a, **k):
             raise ForkError(msg)
 
-    return Meta(name, (), {"__module__": "moetrace.emulator.fork_source.missing"})
+    return Meta(name, (), {"__module__": "moetrace.conform.source.missing"})
 
 
 def _top_imports(tree: ast.Module) -> list[tuple[str, str, str | None]]:
@@ -174,6 +171,7 @@ class CompiledFork:
     statements: int  # top-level statements compiled from the file
     placeholders: list[str]  # names bound to placeholders
     patched: list[str]  # methods rewritten by `patch`
+    cls_node: ast.ClassDef  # the class as compiled (patched or the file's)
 
 
 @dataclass(frozen=True)
@@ -185,20 +183,19 @@ class ParsedFork:
     cls_node: ast.ClassDef
     free: frozenset
     imports: tuple
+    file_sha256: str  # of the file as read
+    class_sha256: str  # of the class's source text (its lines in the file)
 
 
 @functools.lru_cache(maxsize=4)
 def _parse(path: str, stamp: int) -> ParsedFork:
-    text = Path(path).read_text()
+    raw = Path(path).read_bytes()
+    text = raw.decode()
     tree = ast.parse(text, filename=path)
     defs = _top_defs(tree)
     cls_node = defs.get(CLASS_NAME)
     if not isinstance(cls_node, ast.ClassDef):
         raise ForkError(f"{path}: no top-level class {CLASS_NAME}")
-    have = {n.name for n in cls_node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    lacking = [m for m in REQUIRED_METHODS if m not in have]
-    if lacking:
-        raise ForkError(f"{path}: {CLASS_NAME} has no method {', '.join(lacking)}")
     tables = {t.get_name(): t for t in symtable.symtable(text, path, "exec").get_children()}
     uses = {}
     for name, node in defs.items():
@@ -215,12 +212,18 @@ def _parse(path: str, stamp: int) -> ParsedFork:
     free = set().union(*(uses[n] for n in wanted)) - wanted - set(dir(builtins))
     body = tuple((n, None if n is cls_node else _code(n, path)) for n in tree.body
                  if any(defs.get(k) is n for k in wanted))
-    return ParsedFork(body, cls_node, frozenset(free), tuple(_top_imports(tree)))
+    segment = "".join(text.splitlines(keepends=True)[cls_node.lineno - 1:cls_node.end_lineno])
+    return ParsedFork(body, cls_node, frozenset(free), tuple(_top_imports(tree)), _sha256(raw),
+                      _sha256(segment.encode()))
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def parse_fork(src: ForkSource) -> ParsedFork:
-    """The fork's file parsed and checked (ForkError when it lacks what conform drives);
-    cached per process and file version."""
+    """The fork's file parsed (ForkError without the class); cached per process and
+    file version. What the class must have is conform.requirements' to say."""
     return _parse(str(src.path), src.path.stat().st_mtime_ns)
 
 
@@ -261,7 +264,7 @@ def compile_fork(src: ForkSource, provided: dict[str, object], modules: dict[str
                 key = f"{mod_name}.{attr}" if attr else mod_name
                 ns[bound] = _missing(bound, f"import {key}")
                 placeholders.append(key)
-    patched = []
+    patched, cls_node = [], parsed.cls_node
     for node, code in parsed.body:
         if code is None:  # the class: patched on a copy, so the cached tree stays the file's
             cls_node = copy.deepcopy(node) if patch is not None else node
@@ -279,4 +282,26 @@ def compile_fork(src: ForkSource, provided: dict[str, object], modules: dict[str
         placeholders.append(name)
     if register:
         sys.modules[MODULE_NAME] = module
-    return CompiledFork(module, ns[CLASS_NAME], src, len(parsed.body), sorted(placeholders), patched)
+    return CompiledFork(module, ns[CLASS_NAME], src, len(parsed.body), sorted(placeholders), patched, cls_node)
+
+
+def released_sha256(wrapper: Path) -> str | None:
+    """The sha256 (hex) the release's RECORD gives for this wrapper file (None: no RECORD
+    beside it, e.g. a source checkout or a loose file)."""
+    import base64
+    import csv
+
+    root = fork_root(wrapper)
+    for record in sorted(root.glob("sglang_kt-*.dist-info/RECORD")):
+        with open(record, newline="") as fh:
+            for row in csv.reader(fh):
+                if row and row[0] == WRAPPER_REL.as_posix() and len(row) > 1 and row[1].startswith("sha256="):
+                    b64 = row[1][len("sha256="):]
+                    return base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
+    return None
+
+
+def fork_root(wrapper: Path) -> Path:
+    """The folder holding ``sglang/`` (and the dist-info) for an installed wrapper file."""
+    parents = wrapper.parents
+    return parents[len(WRAPPER_REL.parts) - 1] if len(parents) >= len(WRAPPER_REL.parts) else wrapper.parent
