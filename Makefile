@@ -50,7 +50,7 @@ test: $(VENV)/.installed
 # Every sglang-kt release on the package index, each with its kt-kernel (network; minutes):
 # the release x format table of docs/conform.md.
 conform-releases: $(VENV)/.installed
-	$(VENV)/bin/moetrace conform --releases all --json-out conform-releases.json
+	@$(VENV)/bin/moetrace conform --releases all --json-out conform-releases.json
 
 clean:
 	rm -rf $(VENV) *.egg-info
