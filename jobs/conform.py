@@ -311,13 +311,40 @@ def _run_job(plans: list[Plan], tp: int, wd: Path, temporary: bool, guard: str |
     return results, prepared, _rank_error(results, logs, not temporary), logs
 
 
+def _group(p: Plan) -> str:
+    """Cases that share one set of rank processes: kt-kernel's writers of different
+    methods never share a process (kt-kernel 0.5.2-0.6.1 wrote wrong per-channel scales
+    for layer 0 after its FP8 block wrapper had loaded layer 0 in the same process, and
+    right ones alone); moetrace's writer has no such state."""
+    return p.case.fmt if p.case.writer == "kt-kernel" else "moetrace"
+
+
+def _run_group(runnable: list[Plan], tp: int, wd: Path, temporary: bool, guard: str | None,
+               timeout_s: float) -> tuple[list, list, tuple | None, float]:
+    """One set of rank processes for `runnable`; kt-kernel's writer dying by a signal for
+    one method gives that method's cases moetrace's writer, and they run again."""
+    notes: dict = {}
+    t1 = time.perf_counter()
+    results, prepared, err, _ = _run_job(runnable, tp, wd, temporary, guard, timeout_s, notes)
+    for _ in FORMATS:
+        dead = next((r for r in results if r.get("error_kind") == "writer"), None)
+        if not err or err[0] != "writer" or dead is None:
+            break
+        fresh = {p.case.name: dead["error"] for p in runnable
+                 if p.case.writer == "kt-kernel" and p.case.fmt == dead.get("fmt") and p.case.name not in notes}
+        if not fresh:
+            break
+        notes.update(fresh)
+        results, prepared, err, _ = _run_job(runnable, tp, wd, temporary, guard, timeout_s, notes)
+    return results, prepared, err, time.perf_counter() - t1
+
+
 def run_conform(cases: Sequence[Case], tp: int = 2, workdir: str | None = None,
                 timeout_s: float = 120.0, guard: str | None = "all") -> list[ConformResult]:
-    """Run every case that can run in one set of TP rank processes (one start-up for all
-    of them: their forks must share one kt-kernel); a case that cannot is a result with
-    exit 2 and the reason. kt-kernel's writer dying by a signal is named and the cases
-    run again with moetrace's writer. ``guard``: the in-server guard's rows ("all": the
-    whole trace, "mismatch": production's) or None (capture only)."""
+    """Run every case that can run, in one set of TP rank processes per group (_group;
+    the forks of a group share one kt-kernel, the first case's); a case that cannot is
+    a result with exit 2 and the reason. ``guard``: the in-server guard's rows ("all":
+    the whole trace, "mismatch": production's) or None (capture only)."""
     from moetrace.analysis import analyze
     from moetrace.tracer.manifest import read_manifests
 
@@ -325,42 +352,34 @@ def run_conform(cases: Sequence[Case], tp: int = 2, workdir: str | None = None,
         check_case(c, tp)
     t0 = time.perf_counter()
     plans = [plan_case(c, tp) for c in cases]
-    runnable = [p for p in plans if not p.error]
     out: dict[int, ConformResult] = {i: _refused(p, tp, p.error) for i, p in enumerate(plans) if p.error}
-    if not runnable:
+    groups: dict[str, list[Plan]] = {}
+    for p in plans:
+        if not p.error:
+            groups.setdefault(_group(p), []).append(p)
+    if not groups:
         return [out[i] for i in range(len(plans))]
     wd, temporary = _workdir(workdir)
     try:
-        notes: dict = {}
-        t1 = time.perf_counter()
-        results, prepared, err, logs = _run_job(runnable, tp, wd, temporary, guard, timeout_s, notes)
-        for _ in FORMATS:  # kt-kernel's writer for one method died: that method's cases get moetrace's
-            dead = next((r for r in results if r.get("error_kind") == "writer"), None)
-            if not err or err[0] != "writer" or dead is None:
-                break
-            fresh = {p.case.name: dead["error"] for p in runnable
-                     if p.case.writer == "kt-kernel" and p.case.fmt == dead.get("fmt") and p.case.name not in notes}
-            if not fresh:
-                break
-            notes.update(fresh)
-            results, prepared, err, logs = _run_job(runnable, tp, wd, temporary, guard, timeout_s, notes)
-        t2 = time.perf_counter()
-        for i, (p, index, run_id) in enumerate(prepared):
-            at = plans.index(p)
-            if err:
-                out[at] = _refused(p, tp, err[1])
-                out[at].status = "error"
-                continue
-            c, facts = p.case, results[0]["cases"][i]
-            report = analyze([str(wd / "traces" / run_id)], index=str(index), max_rows=1 << 20)
-            doc = report.doc
-            seconds = {"prepare": round(t1 - t0, 2), "ranks": round(t2 - t1, 2), "rank0": facts["seconds"]}
-            out[at] = ConformResult(
-                c, tp, p.fork, report.exit_code, doc["status"], run_id, facts["writer"], facts["writer_kind"],
-                facts["patched"], _held(report, c.fmt, tp, c.experts),
-                [f["sentence"] for f in doc["first_divergence"]], doc["totals"]["sentence"], seconds, report,
-                {r: m.get("guard") for r, m in read_manifests(str(wd / "traces"), run_id).items()},
-                patch=p.patch, method=p.method)
+        prep = round(time.perf_counter() - t0, 2)
+        for runnable in groups.values():
+            results, prepared, err, spent = _run_group(runnable, tp, wd, temporary, guard, timeout_s)
+            for i, (p, index, run_id) in enumerate(prepared):
+                at = plans.index(p)
+                if err:
+                    out[at] = _refused(p, tp, err[1])
+                    out[at].status = "error"
+                    continue
+                c, facts = p.case, results[0]["cases"][i]
+                report = analyze([str(wd / "traces" / run_id)], index=str(index), max_rows=1 << 20)
+                doc = report.doc
+                seconds = {"prepare": prep, "ranks": round(spent, 2), "rank0": facts["seconds"]}
+                out[at] = ConformResult(
+                    c, tp, p.fork, report.exit_code, doc["status"], run_id, facts["writer"], facts["writer_kind"],
+                    facts["patched"], _held(report, c.fmt, tp, c.experts),
+                    [f["sentence"] for f in doc["first_divergence"]], doc["totals"]["sentence"], seconds, report,
+                    {r: m.get("guard") for r, m in read_manifests(str(wd / "traces"), run_id).items()},
+                    patch=p.patch, method=p.method)
         return [out[i] for i in range(len(plans))]
     finally:
         if temporary:

@@ -494,6 +494,18 @@ def test_a_release_that_cannot_be_installed_is_a_row():
     assert lines[-1] == f"why 0.7.0.post3 -: {why}"
 
 
+def test_kt_kernel_writers_of_different_methods_get_their_own_processes():
+    from moetrace.jobs.conform import Plan, _group
+
+    def plan(fmt, writer):
+        return Plan(Case(fmt, "slow-peer", False, writer, E), {})
+
+    kt = {_group(plan(f, "kt-kernel")) for f in ("fp8_block", "fp8_channel", "bf16")}
+    ours = {_group(plan(f, "moetrace")) for f in ("fp8_block", "fp8_channel", "bf16")}
+    assert len(kt) == 3 and len(ours) == 1 and not kt & ours
+    assert _group(plan("fp8_block", "kt-kernel")) == _group(Plan(Case("fp8_block", "slow-peer", True), {}))
+
+
 def test_releases_refuse_the_single_run_options():
     r = CliRunner().invoke(main, ["conform", "--releases", "all", "--fork-path", "x"])
     assert r.exit_code == 2 and "--fork-path does not go with --releases" in r.output and len(r.output.splitlines()) == 1
