@@ -29,7 +29,7 @@ from moetrace import storage
 from moetrace.checkpoints import index_cache
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
-from moetrace.checkpoints.reader import Checkpoint, draft_checkpoint, open_checkpoint
+from moetrace.checkpoints.reader import Checkpoint, ColumnCuts, draft_checkpoint, open_checkpoint
 from moetrace.checkpoints.spec import MoESpec
 from moetrace.errors import MoetraceError
 from moetrace.schema import INDEX_SCHEMA, INDEX_SCHEMA_VERSION, copy_position, dtype_name, format_ids
@@ -107,32 +107,50 @@ def _fingerprint_rows(stacked: "torch.Tensor", device: str) -> list:
     return fpdef.finalize(fpdef.row_chunk_digests(staged.to(device, non_blocking=True)), rows.shape[1])
 
 
-def _layer_rows(ckpt: Checkpoint, model: str, par: Parallel, layer: int, moe_tp_rank: int, device: str,
+def _block_rows(ckpt: Checkpoint, model: str, par: Parallel, layer: int, experts: range, device: str,
                 stats: IndexStats) -> dict[str, list]:
-    """Every expert's rows (routed, then the fused shared one) for one (model, layer, moe_tp_rank)."""
+    """The rows of one block of experts of one (model, layer), every moe_tp_rank: a work
+    unit small enough that both cores stay busy on one layer (one reads while the other
+    hashes), and a column cut (w2) reads its rows once for all ranks (reader.ColumnCuts)."""
     from moetrace.checkpoints.shards import expected_experts
 
-    n_experts = ckpt.spec.num_experts + ckpt.spec.shared_experts
+    reads = getattr(_BUFFERS, "reads", None)
+    if reads is None or reads.ckpt is not ckpt:
+        reads = _BUFFERS.reads = ColumnCuts(ckpt)
+    last = getattr(_BUFFERS, "last", {})
     cols: dict[str, list] = {f.name: [] for f in INDEX_SCHEMA}
-    first, block = 0, 1  # one expert first: it tells the bytes per expert
-    while first < n_experts:
-        t0 = time.perf_counter()
-        experts = range(first, min(first + block, n_experts))
-        shards = expected_experts(ckpt, layer, moe_tp_rank, par, experts, getattr(_BUFFERS, "last", None))
-        t1 = time.perf_counter()
-        for name, stacked in shards.items():
-            _add_rows(cols, name, stacked, _fingerprint_rows(stacked, device), first, stats)
-        stats.seconds_read += t1 - t0
-        stats.seconds_fingerprint += time.perf_counter() - t1
-        per_expert = sum(v[0].numel() * v.element_size() for v in shards.values()) or 1
-        _BUFFERS.last = shards if len(experts) == block else None
-        first += len(experts)
-        block = max(1, _BLOCK_BYTES // per_expert)
+    try:
+        for r in range(par.moe_tp_size):
+            t0 = time.perf_counter()
+            shards = expected_experts(reads, layer, r, par, experts, last.get((r, len(experts))))
+            t1 = time.perf_counter()
+            n0 = len(cols["expert"])
+            for name, stacked in shards.items():
+                _add_rows(cols, name, stacked, _fingerprint_rows(stacked, device), experts.start, stats)
+            cols["moe_tp_rank"] += [r] * (len(cols["expert"]) - n0)
+            stats.seconds_read += t1 - t0
+            stats.seconds_fingerprint += time.perf_counter() - t1
+            last[(r, len(experts))] = shards  # refilled by the next block of this size: no new pages
+    finally:
+        reads.clear()
+    _BUFFERS.last = {k: v for k, v in last.items() if k[1] == len(experts)}
     n = len(cols["expert"])
     cols["model"], cols["layer"] = [model] * n, [layer] * n
     cols["tp_size"], cols["ep_size"], cols["moe_dp_size"] = [par.tp_size] * n, [par.ep_size] * n, [par.moe_dp_size] * n
-    cols["moe_tp_size"], cols["moe_tp_rank"] = [par.moe_tp_size] * n, [moe_tp_rank] * n
+    cols["moe_tp_size"] = [par.moe_tp_size] * n
     return cols
+
+
+def _blocks_of(ckpt: Checkpoint, par: Parallel, layer: int) -> list[range]:
+    """The layer's experts (routed, then the fused shared ones) in blocks of about
+    _BLOCK_BYTES of shards over all ranks, sized by rank 0's shard of expert 0."""
+    from moetrace.checkpoints.shards import expected_experts
+
+    n_experts = ckpt.spec.num_experts + ckpt.spec.shared_experts
+    one = expected_experts(ckpt, layer, 0, par, range(0, 1))
+    per_expert = par.moe_tp_size * sum(v[0].numel() * v.element_size() for v in one.values()) or 1
+    block = max(1, _BLOCK_BYTES // per_expert)
+    return [range(e, min(e + block, n_experts)) for e in range(0, n_experts, block)]
 
 
 def build_index(
@@ -163,15 +181,17 @@ def build_index(
     device = resolve_device(device)
     draft, draft_why = draft_checkpoint(ckpt)
     models = [("target", ckpt, wanted)] + ([("draft", draft, list(draft.spec.moe_layers))] if draft else [])
-    units = [(model, c, layer, r) for model, c, ls in models for layer in ls for r in range(par.moe_tp_size)]
+    layer_units = [(model, c, layer) for model, c, ls in models for layer in ls]
+    units = [(model, c, layer, block) for model, c, layer in layer_units for block in _blocks_of(c, par, layer)]
     workers = max(1, min(len(units), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
     parts: list[dict[str, list]] = []
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moetrace-index") as pool:
-        futures = [pool.submit(_layer_rows, c, model, par, layer, r, device, stats) for model, c, layer, r in units]
-        for fut in futures:
+        futures = [pool.submit(_block_rows, c, model, par, layer, block, device, stats)
+                   for model, c, layer, block in units]
+        for (model, c, layer, block), fut in zip(units, futures):
             parts.append(fut.result())
-            if progress:
-                progress(1)
+            if progress and block.stop == c.spec.num_experts + c.spec.shared_experts:
+                progress(par.moe_tp_size)  # a layer's last block: its (model, layer, moe_tp_rank) units
     cols = {f.name: [] for f in INDEX_SCHEMA}
     for part in parts:
         for k, v in part.items():

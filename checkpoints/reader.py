@@ -261,6 +261,33 @@ class Checkpoint:
         return f"Checkpoint({str(self.path)!r}, {self.spec.arch}, {self.spec.fmt}, id={self.identity})"
 
 
+class ColumnCuts:
+    """A Checkpoint whose column reads (a rank's columns of whole rows: w2 at moe_tp_size > 1)
+    keep the rows they read until clear(), so the cuts of every moe_tp_rank from one block of
+    experts read the file once; every other read goes straight to the checkpoint. Same bytes
+    as Checkpoint.read. One per thread."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self._rows: dict[tuple[str, str], torch.Tensor] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.ckpt, name)
+
+    def read(self, name: str, rows=None, cols=None, into: torch.Tensor | None = None) -> torch.Tensor:
+        if cols is None:
+            return self.ckpt.read(name, rows, into=into)
+        key = (name, repr(rows))
+        whole = self._rows.get(key)
+        if whole is None:
+            whole = self._rows[key] = self.ckpt.read(name, rows)
+        t = self.ckpt.info(name)
+        return host_copy(whole[..., _as_slice(cols, t.shape[-1], name, t.file)], into)
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Open the checkpoint directory `path`: config.json, the weight map (index or
     single file), every referenced header, and the spec checked against them."""

@@ -80,6 +80,29 @@ def test_index_rows_equal_independent_shards(ckpt, tp, ep, moe_dp):
     assert json.loads(table.schema.metadata[ix.INDEX_META_KEY])["moe_tp_size"] == moe_tp
 
 
+@pytest.mark.parametrize("tp,block_bytes", [(2, 1), (2, 600_000)])
+def test_blocks_of_experts_give_every_rank_its_own_cut(ckpt, monkeypatch, tp, block_bytes):
+    """Work units are blocks of experts over every moe_tp_rank, and a column cut (w2 and its
+    scale) reads its rows once for all ranks: each rank still gets its own columns, in
+    blocks of one expert and of several with a shorter last one (buffers refilled)."""
+    monkeypatch.setattr(ixb, "_BLOCK_BYTES", block_bytes)
+    from moetrace.checkpoints.reader import open_checkpoint
+    from moetrace.checkpoints.shards import Parallel
+
+    blocks = ixb._blocks_of(open_checkpoint(ckpt), Parallel(tp_size=tp), 1)
+    assert len(blocks) > 1 and (block_bytes == 1 or len(blocks[-1]) < len(blocks[0]))
+    rows = {(r["moe_tp_rank"], r["layer"], r["expert"], r["tensor"]): r for r in ixb.build_index(ckpt, tp).to_pylist()}
+    i_tp = I // tp
+    for r in range(tp):
+        cols = torch.arange(r * i_tp, (r + 1) * i_tp).unsqueeze(0)
+        for expert in range(E):
+            down = synthetic_values(1, expert, 2, torch.arange(H).unsqueeze(1), cols, "weight", torch.float8_e4m3fn)
+            assert rows[(r, 1, expert, "w2_weight")]["digest"] == fingerprint(down).digest
+            assert rows[(r, 1, expert, "w2_weight_scale_inv")]["digest"] == fingerprint(
+                _w2_scale_reference(1, expert, r, tp, 1)).digest
+            assert rows[(r, 2, expert, "w13_weight")]["digest"] == fingerprint(_w13_reference(2, expert, r, tp, 1)).digest
+
+
 def test_layers_option_and_metadata(ckpt, tmp_path):
     table = ixb.build_index(ckpt, 2, layers=[2])
     assert set(table.column("layer").to_pylist()) == {2}
