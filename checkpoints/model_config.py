@@ -14,12 +14,24 @@ What differs from plain JSON keys (transformers 5.17-5.24; 5.19 is SGLang 0.5.23
 
 tests/test_model_config.py holds the raw reader to AutoConfig over every family, key
 by key, for the installed transformers.
+
+Importing transformers' config classes costs seconds (they load torch._dynamo), paid by
+every process that opens a checkpoint. What they answer depends only on the config's
+contents and the transformers release, so the answer is kept in
+``$MOETRACE_CACHE/config/`` under a hash of both: a second process reads it back
+without importing transformers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import os
+import tempfile
 from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
 
 from moetrace.errors import MoetraceError
 
@@ -110,9 +122,60 @@ def _quiet(hf_logging):
         hf_logging.set_verbosity(level)
 
 
+def _answer_path(config: Mapping, arch: str) -> Path | None:
+    """Where transformers' answer for this config is kept; None without transformers."""
+    try:
+        release = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+    key = json.dumps([release, arch, KEYS[MODEL_TYPES[arch][1]], config], sort_keys=True, default=str)
+    root = Path(os.environ.get("MOETRACE_CACHE", Path.home() / ".cache" / "moetrace"))
+    return root / "config" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+
+
+def _remembered(path: Path | None) -> dict[str, object] | None:
+    try:
+        answer = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    return answer if isinstance(answer, dict) else None
+
+
+def _remember(path: Path | None, answer: dict[str, object]) -> dict[str, object]:
+    """Keep the answer (whole or not at all; a cache that cannot be written costs only
+    time) and return it as it reads back, so the first process sees what later ones do."""
+    try:
+        text = json.dumps(answer)
+    except (TypeError, ValueError):
+        return answer
+    if path is not None:
+        tmp = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".config-", dir=path.parent)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except OSError:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+    return json.loads(text)
+
+
 def read_transformers(config: Mapping, arch: str, where: str) -> dict[str, object] | None:
     """The same attributes as transformers' config class answers them; None when
     transformers is not importable or does not know the model type."""
+    path = _answer_path(config, arch)
+    answer = _remembered(path)
+    if answer is None:
+        answer = _ask_transformers(config, arch, where)
+        if answer is not None:
+            answer = _remember(path, answer)
+    return answer
+
+
+def _ask_transformers(config: Mapping, arch: str, where: str) -> dict[str, object] | None:
     found = _transformers()
     if found is None:
         return None

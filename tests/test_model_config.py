@@ -94,6 +94,7 @@ def test_spec_without_transformers_equals_spec_with_it(monkeypatch):
     for arch in sorted(mc.MODEL_TYPES):
         specs[arch] = spec_from_config(written(arch), "config.json")
     monkeypatch.setattr(mc, "_transformers", lambda: None)
+    monkeypatch.setattr(mc, "_answer_path", lambda config, arch: None)  # nor its remembered answers
     for arch, want in specs.items():
         assert spec_from_config(written(arch), "config.json") == want, arch
     # DeepSeek's written config leaves nothing out here; its class default for
@@ -102,3 +103,19 @@ def test_spec_without_transformers_equals_spec_with_it(monkeypatch):
     cfg.pop("first_k_dense_replace")
     cfg["num_hidden_layers"] = 5
     assert spec_from_config(cfg, "config.json").moe_layers == (3, 4)
+
+
+def test_transformers_answer_is_remembered_per_config_and_release(tmp_path, monkeypatch):
+    """A second process reading the same config gets transformers' answer without
+    importing it; another config (or another transformers release) is asked again."""
+    monkeypatch.setenv("MOETRACE_CACHE", str(tmp_path))
+    arch = "Qwen3MoeForCausalLM"
+    cfg = written(arch)
+    first = mc.read_transformers(cfg, arch, "config.json")
+    asked = []
+    monkeypatch.setattr(mc, "_ask_transformers", lambda *a: asked.append(a) or {"num_experts": -1})
+    assert mc.read_transformers(cfg, arch, "config.json") == first and not asked
+    other = dict(cfg, num_local_experts=cfg["num_local_experts"] + 1)
+    assert mc.read_transformers(other, arch, "config.json") == {"num_experts": -1} and len(asked) == 1
+    monkeypatch.setattr(mc.metadata, "version", lambda name: "0.0-another-release")
+    assert mc.read_transformers(cfg, arch, "config.json") == {"num_experts": -1} and len(asked) == 2
