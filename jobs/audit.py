@@ -135,10 +135,9 @@ def run_analysis(command: str, opts: AnalysisOptions, echo: Callable[[str], None
     try:
         with (live or Progress.off()).step(f"{command}: reading the trace and judging every tensor"):
             rep = analyze(list(opts.trace), index=opts.index, checkpoint=opts.checkpoint, max_rows=opts.max_rows)
-    except MoetraceError as err:
-        if command == "audit":
-            for line in opts.reports.write_unusable(str(err)):
-                warn(f"moetrace: error: {line}")
+    except MoetraceError as err:  # the report files say so too: none is left from an earlier run
+        for line in opts.reports.write_unusable(str(err)):
+            warn(f"moetrace: error: {line}")
         raise
     if extra_doc:
         rep.doc.update(extra_doc)

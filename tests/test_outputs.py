@@ -123,18 +123,19 @@ def test_a_report_that_cannot_be_written_does_not_hide_the_verdict(runs, small_i
     assert r.exit_code == 3 and "E+2" in r.output
 
 
-def test_an_unusable_rerun_leaves_no_report_of_the_earlier_run(runs, small_index, tmp_path):
+@pytest.mark.parametrize("command", ["audit", "analyze"])
+def test_an_unusable_rerun_leaves_no_report_of_the_earlier_run(runs, small_index, tmp_path, command):
     """The nightly command run twice: the second run's trace is unusable. Every report path
     now holds the second run's (unusable) report, the picture included: no DIVERGENT grid
-    of the first run is left beside them."""
+    of the first run is left beside them. analyze keeps the same rule."""
     paths = {"--json-out": tmp_path / "a.json", "--markdown": tmp_path / "a.md", "--junit": tmp_path / "j.xml",
              "--plot": tmp_path / "a.png"}
     options = [str(x) for option, path in paths.items() for x in (option, path)]
-    r = cli("audit", runs / "bad", "--index", small_index, *options)
-    assert r.exit_code == 1
+    r = cli(command, runs / "bad", "--index", small_index, *options)
+    assert r.exit_code == (1 if command == "audit" else 0) and "E+2" in r.output  # analyze reports, audit judges
     divergent_png = paths["--plot"].read_bytes()
     (tmp_path / "empty").mkdir()
-    r = cli("audit", tmp_path / "empty", "--index", small_index, *options)
+    r = cli(command, tmp_path / "empty", "--index", small_index, *options)
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert json.loads(paths["--json-out"].read_text())["status"] == "unusable"
     assert "UNUSABLE" in paths["--markdown"].read_text() and "<error" in paths["--junit"].read_text()
