@@ -314,6 +314,10 @@ class Tracer:
             self._layouts[key] = facts
             self.sink.set_layout(key, facts)
 
+    def layout(self, source: str, layer: int, model: str = "target") -> dict | None:
+        """The layout facts record_layout last kept for this layer, or None."""
+        return self._layouts.get(f"{source}:{model}:{int(layer)}")
+
     def note_once(self, message: str) -> None:
         if message not in self._logged:
             self._logged.add(message)

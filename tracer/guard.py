@@ -133,7 +133,7 @@ class Guard:
         key = f"{event.source}:{event.model}:{int(event.layer)}"
         if key not in self._fitted and self.expectation is not None:
             self._fitted.add(key)
-            facts = getattr(tracer, "_layouts", {}).get(key)  # recorded by the hook just before this capture
+            facts = tracer.layout(event.source, event.layer, event.model)  # recorded by the hook just before
             self.misfit(index_fit.layout_misfit(self.expectation.meta, facts, event.source))
         with self._lock:
             exp = self.expectation
