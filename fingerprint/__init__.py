@@ -8,11 +8,11 @@ The definition (docs/fingerprint.md states it exactly):
   byte length as 8 bytes little-endian). An empty tensor has no chunks.
 dtype and shape are never folded in: callers record them beside the digest.
 
-Paths to the chunk digests, all held to the plain reference (fingerprint_reference.py)
-and to ``xxhash`` in tests: ``xxhash`` over zero-copy views of host bytes (CPU), one
-fused Triton kernel (CUDA: fingerprint_triton.py) and plain torch (CUDA without
-Triton: fingerprint_torch.py). torch is imported only by the functions taking
-tensors: the index cache and hook-spec read digests without it.
+Paths to the chunk digests, all held to the plain reference (``reference.py``) and to
+``xxhash`` in tests: ``xxhash`` over zero-copy views of host bytes (CPU, here), one fused
+Triton kernel (CUDA: ``triton_path.py``) and plain torch (CUDA without Triton:
+``torch_path.py``). torch is imported only by the functions taking tensors: the index
+cache and hook-spec read digests without it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ FP_VERSION = 3
 CHUNK_BYTES = 1 << 16
 DIGEST_BYTES = 16
 METHODS = ("xxhash", "torch", "triton", "reference")
+
+__all__ = [
+    "CHUNK_BYTES", "DIGEST_BYTES", "FP_VERSION", "METHODS", "Fingerprint", "chunk_digest", "default_method",
+    "finalize", "fingerprint", "fingerprint_bytes", "fingerprint_many", "fingerprint_rows", "n_chunks_for",
+    "raw_bytes", "reference_fingerprint_bytes", "row_bytes", "row_chunk_digests", "tensor_digest", "triton_available",
+]
 
 _xxh3_128 = xxhash.xxh3_128_digest
 
@@ -75,7 +81,7 @@ def tensor_digest(chunk_digests: bytes, nbytes: int) -> bytes:
 
 def reference_fingerprint_bytes(data) -> Fingerprint:
     """The definition written plainly (pure Python XXH3-128): what every path must equal. Slow."""
-    from moetrace.fingerprint_reference import xxh3_128
+    from moetrace.fingerprint.reference import xxh3_128
 
     view = memoryview(data).cast("B")
     chunks = b"".join(xxh3_128(view[o : o + CHUNK_BYTES]) for o in range(0, len(view), CHUNK_BYTES))
@@ -173,11 +179,11 @@ def row_chunk_digests(rows: "torch.Tensor", method: str | None = None) -> "torch
         out = torch.from_numpy(_rows_chunk_digests_host(_host_view(host), r, n))
         return out if rows.device.type == "cpu" else out.to(rows.device)
     if method == "torch":
-        from moetrace.fingerprint_torch import row_chunk_digests as torch_rows
+        from moetrace.fingerprint.torch_path import row_chunk_digests as torch_rows
 
         return torch_rows(rows, CHUNK_BYTES)
     if method == "triton":
-        from moetrace.fingerprint_triton import row_chunk_digests as triton_rows
+        from moetrace.fingerprint.triton_path import row_chunk_digests as triton_rows
 
         return triton_rows(rows if rows.stride(-1) == 1 else rows.contiguous(), CHUNK_BYTES)
     if method == "reference":

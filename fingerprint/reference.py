@@ -1,8 +1,8 @@
 """XXH3-128 (seed 0, default secret) written plainly in Python integers.
 
 The reference the fast paths are held to in tests: the `xxhash` package (CPU),
-the torch fallback (fingerprint_torch.py) and the Triton kernel
-(fingerprint_triton.py). Written from the public specification
+the torch fallback (torch_path.py) and the Triton kernel
+(triton_path.py). Written from the public specification
 (Cyan4973/xxHash, doc/xxhash_spec.md); slow (about 1 MB/s), never on a hot path.
 Returns the canonical form: high 64 bits then low 64 bits, big-endian, as
 ``xxhash.xxh3_128(data).digest()``.
@@ -34,6 +34,12 @@ STRIPE = 64
 STRIPES_PER_BLOCK = (len(SECRET) - 64) // 8  # 16
 BLOCK = STRIPE * STRIPES_PER_BLOCK  # 1024
 INIT_ACC = (PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1)
+
+
+def s64(c: int) -> int:
+    """An unsigned 64-bit value as the int64 with the same bits (how the torch and Triton
+    paths hold uint64 words)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
 
 
 def u32(b: bytes | memoryview, off: int) -> int:

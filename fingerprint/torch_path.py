@@ -14,14 +14,10 @@ import sys
 
 import torch
 
-from moetrace import fingerprint_reference as ref
+from moetrace.fingerprint import reference as ref
+from moetrace.fingerprint.reference import s64 as _s64
 
 _BATCH = 64  # full chunks per step: 4 MiB of bytes, ~8x that in int64 temporaries
-
-
-def _s64(c: int) -> int:
-    """An unsigned 64-bit constant as the int64 with the same bits."""
-    return c - (1 << 64) if c >= 1 << 63 else c
 
 
 def _lsr(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ computed in parallel ([16 stripes, 4 lane pairs]); only the block-to-block scram
 are sequential. Accumulators are held as even and odd lanes (4 each), so the lane
 swap of the data term is a swap of the two vectors. 64 x 64 -> 128-bit products are
 built from 32-bit halves. Chunks of at most 240 bytes (a row's last chunk, rarely)
-take XXH3's short paths in plain torch (fingerprint_torch.py) after the launch.
+take XXH3's short paths in plain torch (torch_path.py) after the launch.
 """
 
 from __future__ import annotations
@@ -16,16 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from moetrace import fingerprint_reference as ref
-from moetrace.fingerprint_torch import xxh3_128_rows
+from moetrace.fingerprint import reference as ref
+from moetrace.fingerprint.reference import s64 as _s64
+from moetrace.fingerprint.torch_path import xxh3_128_rows
 
 _CONSTS: dict[torch.device, torch.Tensor] = {}
 # The constants tensor: uint64 bits as int64, at these offsets (the kernel names them).
 # stripes 0, last stripe 128, scramble 136, merge low 144, merge high 152, initial accumulators 160, primes 168
-
-
-def _s64(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 def _constants(device: torch.device) -> torch.Tensor:

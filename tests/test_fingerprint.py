@@ -12,7 +12,7 @@ import torch
 import xxhash
 
 from moetrace import fingerprint as F
-from moetrace import fingerprint_reference as R
+from moetrace.fingerprint import reference as R
 
 C = F.CHUNK_BYTES
 # around every XXH3 path boundary: empty, 1-3, 4-8, 9-16, 17-128, 129-240, 241+, blocks, chunks

@@ -21,7 +21,7 @@ def interpreted():
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     pytest.importorskip("triton")
-    from moetrace import fingerprint_triton
+    from moetrace.fingerprint import triton_path as fingerprint_triton
 
     if not type(fingerprint_triton._xxh3_128_chunks).__name__.startswith("Interpreted"):
         pytest.skip("the Triton kernel was compiled before TRITON_INTERPRET was set")
@@ -63,7 +63,7 @@ def test_triton_chunks_of_a_row(interpreted):
     """Several chunks per row and a row's last chunk at every boundary, with 4 KiB chunks (the
     interpreter runs a 64 KiB chunk in seconds: the kernel takes the chunk size as a constant),
     then one real 64 KiB chunk and a short tail."""
-    from moetrace.fingerprint_triton import row_chunk_digests
+    from moetrace.fingerprint.triton_path import row_chunk_digests
 
     g = torch.Generator().manual_seed(8)
     small = 4096

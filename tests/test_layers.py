@@ -8,8 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BOTTOM = {"errors", "schema", "fingerprint", "fingerprint_reference", "fingerprint_torch", "fingerprint_triton",
-          "storage", "__init__"}
+BOTTOM = {"errors", "schema", "fingerprint", "storage", "__init__"}  # modules, and fingerprint/ as a whole
 # layer -> the layers it may import (besides itself and the bottom)
 ALLOWED = {
     "bottom": set(),
@@ -37,7 +36,7 @@ def module_name(path: Path) -> list[str]:
 
 
 def layer_of(parts: list[str]) -> str:
-    if not parts or (len(parts) == 1 and parts[0] in BOTTOM):
+    if not parts or parts[0] in BOTTOM:
         return "bottom"
     return parts[0]
 

@@ -87,7 +87,7 @@ def test_wheel_holds_the_package_and_no_scaffolding(tmp_path):
     folders = {"moetrace/" + p.parent.relative_to(ROOT).as_posix() for p in ROOT.glob("*/__init__.py")
                if p.parent.name not in ("tests", "bench")}
     assert packages == {"moetrace"} | folders
-    assert {"moetrace/schema.py", "moetrace/fingerprint.py", "moetrace/storage.py", "moetrace/cli.py"} <= set(names)
+    assert {"moetrace/schema.py", "moetrace/fingerprint/__init__.py", "moetrace/storage.py", "moetrace/cli.py"} <= set(names)
     leaked = [n for n in names if n.startswith(("moetrace/tests", "moetrace/bench", "moetrace/support"))
               or n == "moetrace/setup.py"]
     assert not leaked, leaked
