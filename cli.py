@@ -425,7 +425,7 @@ def launch_cmd(server_flags, keep_cuda_graph, close_timeout, replace, stop_grace
       moetrace launch --out /data/traces -- \\
         python -m sglang.launch_server --model-path Qwen/Qwen3.5-122B-A10B-FP8 --tp 2
     """
-    from moetrace.hooks.launch import Launcher
+    from moetrace.servers.launcher import Launcher
     from moetrace.hooks.spec import DEFAULT_TARGETS
 
     config, targets = _capture_config(kw)

@@ -1,5 +1,5 @@
 """The ``--forward-hooks`` JSON for SGLang. The flags that keep hooks firing (CUDA
-graphs off) are hooks.server's."""
+graphs off) are servers.command's."""
 
 from __future__ import annotations
 

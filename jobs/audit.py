@@ -118,7 +118,7 @@ class LaunchOptions:
     traffic: Traffic = field(default_factory=Traffic)
     base_url: str | None = None
     hook_config: dict = field(default_factory=dict)
-    server_flags: str = "auto"  # hooks.server.FLAG_CHOICES
+    server_flags: str = "auto"  # servers.command.FLAG_CHOICES
     replace: bool = False  # delete an existing OUT/<run_id> first (else it is refused)
     stop_grace_s: float = 30.0
 

@@ -1,5 +1,5 @@
 """Traffic for `moetrace audit --launch`: start the server with capture hooks
-(hooks.launch.Launcher: SGLang, the KT fork or moetrace's emulator), wait for
+(servers.launcher.Launcher: SGLang, the KT fork or moetrace's emulator), wait for
 /health, send prompts that take the staged path (fresh long prompts, then the same
 prefixes replayed with more text), stop the server cleanly (ranks close their
 traces first). jobs.audit analyzes the run folder.
@@ -209,8 +209,8 @@ def launch_and_drive(server_cmd: str | list[str], config: dict, traffic: Traffic
 
     Returns (run folder URL/path, server exit code, traffic result).
     """
-    from moetrace.hooks.launch import Launcher
-    from moetrace.hooks.process import session_listens
+    from moetrace.servers.launcher import Launcher
+    from moetrace.servers.process_group import session_listens
 
     cmd = split_command(server_cmd) if isinstance(server_cmd, str) else list(server_cmd)
     if not cmd:

@@ -1,4 +1,5 @@
-"""Which SGLang the launch command starts, and its flags that keep hooks firing.
+"""A server command as moetrace reads it: its TP size and model flags, which SGLang it
+starts, the flags that keep hooks firing, and the command with moetrace's hooks added.
 
 Hooks run only on the eager forward path, so capturing every step turns CUDA
 graphs off. Upstream ``sglang`` 0.5.23 has ``--disable-prefill-cuda-graph`` and
@@ -11,10 +12,13 @@ never a version number.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from importlib import metadata
 from typing import Sequence
+
+from moetrace.errors import MoetraceError
 
 SPLIT_CUDA_GRAPH_FLAGS = ("--disable-prefill-cuda-graph", "--disable-decode-cuda-graph")
 LEGACY_CUDA_GRAPH_FLAGS = ("--disable-cuda-graph",)
@@ -86,3 +90,52 @@ def cuda_graph_flags_for(cmd: Sequence[str], choice: str = "auto", distribution:
     if flags is not None:
         return flags, "help"
     return LEGACY_CUDA_GRAPH_FLAGS, "default"
+
+
+TP_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size")
+MODEL_FLAGS = ("--model-path", "--model")
+
+
+def flag_value(cmd: Sequence[str], names: Sequence[str]) -> str | None:
+    """The value of the first of `names` in the command (``--tp 2`` or ``--tp=2``), else None."""
+    for i, arg in enumerate(cmd):
+        for n in names:
+            if arg == n and i + 1 < len(cmd):
+                return cmd[i + 1]
+            if arg.startswith(n + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def expected_tp(cmd: Sequence[str]) -> int | None:
+    v = flag_value(cmd, TP_FLAGS)
+    return int(v) if v and v.isdigit() else None
+
+
+def build_command(cmd: Sequence[str], spec: list[dict], flags: Sequence[str]) -> list[str]:
+    """cmd + merged --forward-hooks + the CUDA-graph flags it does not have yet."""
+    out: list[str] = []
+    merged = False
+    i = 0
+    cmd = list(cmd)
+    while i < len(cmd):
+        arg = cmd[i]
+        if arg == "--forward-hooks" or arg.startswith("--forward-hooks="):
+            raw = arg.split("=", 1)[1] if "=" in arg else (cmd[i + 1] if i + 1 < len(cmd) else "[]")
+            i += 1 if "=" in arg else 2
+            try:
+                existing = json.loads(raw)
+            except json.JSONDecodeError as err:
+                raise MoetraceError(f"--forward-hooks in the server command is not JSON ({err})") from None
+            existing = existing if isinstance(existing, list) else [existing]
+            out += ["--forward-hooks", json.dumps(existing + spec)]
+            merged = True
+            continue
+        out.append(arg)
+        i += 1
+    if not merged:
+        out += ["--forward-hooks", json.dumps(spec)]
+    for f in flags:
+        if f not in out:
+            out.append(f)
+    return out

@@ -5,7 +5,7 @@ already has) and the CUDA-graph flags for the SGLang version. A run id names one
 launch: an existing run folder is refused (``replace`` deletes it first), and
 ``_run.json`` with a fresh ``run_nonce`` is written before the server starts; the
 same nonce goes to every rank through the hook config. The server runs as the
-leader of its own session (hooks.process). On SIGINT/SIGTERM (or ``stop``) every
+leader of its own session (servers.process_group). On SIGINT/SIGTERM (or ``stop``) every
 rank is first asked to close its trace (a control file the ranks' writer threads
 poll) and the launcher waits, bounded, for their manifests to say ``finished``
 (SGLang's shutdown SIGKILLs its workers, so without this no rank could finish);
@@ -34,9 +34,10 @@ from typing import Callable, Sequence
 
 from moetrace.errors import MoetraceError
 from moetrace.schema import parse_rank_label
-from moetrace.hooks.process import ServerGroup
-from moetrace.hooks.server import (FLAG_CHOICES, LEGACY_CUDA_GRAPH_FLAGS, cuda_graph_flags_for, invokes_sglang,
-                                   server_distribution)
+from moetrace.servers.command import (FLAG_CHOICES, LEGACY_CUDA_GRAPH_FLAGS, MODEL_FLAGS, build_command,
+                                      cuda_graph_flags_for, expected_tp, flag_value, invokes_sglang,
+                                      server_distribution)
+from moetrace.servers.process_group import ServerGroup
 from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec, index_fits
 from moetrace.tracer.config import check_metrics_ports
 from moetrace import storage
@@ -52,54 +53,6 @@ from moetrace.tracer.manifest import (
     run_problems,
     utc_now,
 )
-
-TP_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size")
-MODEL_FLAGS = ("--model-path", "--model")
-
-
-def _flag_value(cmd: Sequence[str], names: Sequence[str]) -> str | None:
-    for i, arg in enumerate(cmd):
-        for n in names:
-            if arg == n and i + 1 < len(cmd):
-                return cmd[i + 1]
-            if arg.startswith(n + "="):
-                return arg.split("=", 1)[1]
-    return None
-
-
-def expected_tp(cmd: Sequence[str]) -> int | None:
-    v = _flag_value(cmd, TP_FLAGS)
-    return int(v) if v and v.isdigit() else None
-
-
-def build_command(cmd: Sequence[str], spec: list[dict], flags: Sequence[str]) -> list[str]:
-    """cmd + merged --forward-hooks + the CUDA-graph flags it does not have yet."""
-    out: list[str] = []
-    merged = False
-    i = 0
-    cmd = list(cmd)
-    while i < len(cmd):
-        arg = cmd[i]
-        if arg == "--forward-hooks" or arg.startswith("--forward-hooks="):
-            raw = arg.split("=", 1)[1] if "=" in arg else (cmd[i + 1] if i + 1 < len(cmd) else "[]")
-            i += 1 if "=" in arg else 2
-            try:
-                existing = json.loads(raw)
-            except json.JSONDecodeError as err:
-                raise MoetraceError(f"--forward-hooks in the server command is not JSON ({err})") from None
-            existing = existing if isinstance(existing, list) else [existing]
-            out += ["--forward-hooks", json.dumps(existing + spec)]
-            merged = True
-            continue
-        out.append(arg)
-        i += 1
-    if not merged:
-        out += ["--forward-hooks", json.dumps(spec)]
-    for f in flags:
-        if f not in out:
-            out.append(f)
-    return out
-
 
 def rank_summary(manifests: dict[str, dict], expected_ranks: int | None) -> list[dict]:
     """One entry per expected rank (every TP rank of every stage and replica the
@@ -158,7 +111,7 @@ class _Stop(int):
 class Launcher:
     """One launch: refuses (or with ``replace``, clears) an existing run folder, writes
     ``_run.json`` with a fresh ``run_nonce`` before the server starts, runs the server as
-    the leader of its own session, and stops the whole group (hooks.process)."""
+    the leader of its own session, and stops the whole group (servers.process_group)."""
 
     def __init__(self, cmd: Sequence[str], config: dict, *, server_flags: str = "auto",
                  disable_cuda_graph: bool = True, close_timeout_s: float = 20.0, stop_grace_s: float = 30.0,
@@ -188,7 +141,7 @@ class Launcher:
         self.spec = hook_spec(config, targets)
         self.config = self.spec[0]["config"]
         if self.config.get("index"):  # what the server command tells: its TP size and checkpoint folder
-            index_fits(self.config["index"], expected_tp(self.user_cmd), _flag_value(self.user_cmd, MODEL_FLAGS))
+            index_fits(self.config["index"], expected_tp(self.user_cmd), flag_value(self.user_cmd, MODEL_FLAGS))
         check_metrics_ports(self.config.get("metrics_port"), expected_tp(self.user_cmd))
         self.run_id, self.nonce = self.config["run_id"], self.config["run_nonce"]
         self.control_dir = tempfile.mkdtemp(prefix="moetrace-ctl-")

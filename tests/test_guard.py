@@ -296,7 +296,7 @@ def test_completeness_of_a_guarded_run():
         "wrote 0 rows (nothing captured: check the sampling filters and that traffic reached the server)"]
     assert rank_problems({**base, "guard": {**ok, "status": "unverified", "status_reason": "why"}})[0] == \
         "guard could not verify (why)"
-    from moetrace.hooks.launch import summary_line
+    from moetrace.servers.launcher import summary_line
 
     bad = {**ok, "status": "mismatch", "tensors": {"match": 58, "mismatch": 6}, "loads": {"mismatch": 1}}
     line = summary_line("X", {0: {**base, "guard": ok}, 1: {**base, "rows_written": 6, "guard": bad}}, 2, [])

@@ -22,8 +22,9 @@ from torch import nn
 
 from moetrace.hooks import sglang_hook
 from moetrace.hooks.kt import GPU_COPIED, transport_positions
-from moetrace.hooks.launch import Launcher, build_command, expected_tp
-from moetrace.hooks.server import SPLIT_CUDA_GRAPH_FLAGS
+from moetrace.servers.command import build_command, expected_tp
+from moetrace.servers.launcher import Launcher
+from moetrace.servers.command import SPLIT_CUDA_GRAPH_FLAGS
 from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec
 from moetrace.tracer.manifest import read_manifests
 from support.sglang_source import load_hook_manager
@@ -573,7 +574,7 @@ def _rank(r, **kw):
 
 
 def test_run_problems_and_summary_line():
-    from moetrace.hooks.launch import summary_line
+    from moetrace.servers.launcher import summary_line
     from moetrace.tracer.manifest import run_problems
 
     good = {"0": _rank(0), "1": _rank(1)}

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 from moetrace.cli import main
 from moetrace.errors import MoetraceError
-from moetrace.hooks.launch import Launcher
-from moetrace.hooks.process import session_listens, session_members
+from moetrace.servers.launcher import Launcher
+from moetrace.servers.process_group import session_listens, session_members
 from moetrace.jobs.traffic import Traffic, drive
 from support.traces import write_scenario
 

@@ -15,11 +15,12 @@ ALLOWED = {
     "checkpoints": set(),
     "tracer": {"checkpoints"},
     "hooks": {"checkpoints", "tracer"},
+    "servers": {"checkpoints", "tracer", "hooks"},
     "analysis": {"checkpoints", "tracer.manifest"},
     "conform": {"checkpoints", "tracer", "hooks"},
     "emulator": {"checkpoints", "tracer", "hooks", "conform"},
-    "jobs": {"checkpoints", "tracer", "hooks", "analysis", "conform", "emulator"},
-    "cli": {"checkpoints", "tracer", "hooks", "analysis", "conform", "emulator", "jobs"},
+    "jobs": {"checkpoints", "tracer", "hooks", "servers", "analysis", "conform", "emulator"},
+    "cli": {"checkpoints", "tracer", "hooks", "servers", "analysis", "conform", "emulator", "jobs"},
 }
 SCAFFOLDING = {"tests", "bench", "docs", "build", ".venv", ".git"}
 
@@ -83,6 +84,12 @@ def test_every_import_runs_one_way():
     assert not bad, "imports against the layer order:\n" + "\n".join(bad)
 
 
+def test_every_folder_has_a_place_in_the_table():
+    """A new folder must be placed in the layer table before its imports can be judged."""
+    unplaced = sorted({layer_of(module_name(p)) for p in package_modules()} - set(ALLOWED))
+    assert not unplaced, f"folders without a layer: {unplaced}"
+
+
 def test_the_checker_sees_what_it_must():
     """The rule itself: an upward edge or a relative import is caught, a downward one passes."""
     assert not allowed(["checkpoints", "index"], ["tracer", "fingerprint"])
@@ -92,6 +99,7 @@ def test_the_checker_sees_what_it_must():
     assert allowed(["analysis", "report"], ["tracer", "manifest"]) and not allowed(["analysis", "x"], ["tracer", "sink"])
     assert allowed(["hooks", "kt"], ["tracer", "capture"]) and allowed(["cli"], ["jobs", "demo"])
     assert allowed(["emulator", "staging"], ["conform", "writer"]) and not allowed(["conform", "rank"], ["emulator", "x"])
+    assert not allowed(["hooks", "kt"], ["servers", "launcher"]) and allowed(["jobs", "traffic"], ["servers", "launcher"])
     assert {layer_of(module_name(p)) for p in package_modules()} >= {"bottom", "checkpoints", "tracer", "hooks",
-                                                                     "analysis", "conform", "emulator", "jobs",
-                                                                     "cli"}
+                                                                     "servers", "analysis", "conform", "emulator",
+                                                                     "jobs", "cli"}

@@ -251,8 +251,8 @@ def test_hook_manager_pass_counter_and_layer_order_fallback(make_ckpt, tmp_path)
 
 
 def test_launch_flags_by_distribution_and_help(tmp_path):
-    from moetrace.hooks.launch import Launcher
-    from moetrace.hooks.server import (LEGACY_CUDA_GRAPH_FLAGS, SPLIT_CUDA_GRAPH_FLAGS, cuda_graph_flags_for,
+    from moetrace.servers.launcher import Launcher
+    from moetrace.servers.command import (LEGACY_CUDA_GRAPH_FLAGS, SPLIT_CUDA_GRAPH_FLAGS, cuda_graph_flags_for,
                                        invokes_sglang, server_distribution)
 
     fork = fork_root()

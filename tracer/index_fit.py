@@ -6,7 +6,7 @@ its own misconfiguration. So the guard asks here before it verifies (at start, w
 learns the server's checkpoint, at the first capture of each layer) and goes
 ``unverified`` with the reason on a misfit (tracer.guard); ``hook-spec`` and ``launch``
 refuse an index that does not fit what they can tell of the server (hooks.spec,
-hooks.launch). Each function returns None (fits, or cannot tell) or one sentence.
+servers.launcher). Each function returns None (fits, or cannot tell) or one sentence.
 docs/guard.md.
 """
 

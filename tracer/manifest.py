@@ -159,7 +159,7 @@ def new_run_manifest(run_id: str, out: str, **fields) -> dict:
         "server_exit_code": None,
         "stop_signal": None,
         "stop_reason": None,
-        "stop": None,  # how the server's process group was stopped (hooks.launch)
+        "stop": None,  # how the server's process group was stopped (servers.launcher)
         "ranks_closed_before_stop": None,
         "port_check": None,  # audit --launch: the port was free, the server answering was ours
         "ranks": [],
