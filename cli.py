@@ -9,7 +9,7 @@ import sys
 import click
 
 from moetrace import __version__
-from moetrace.errors import MoetraceError
+from moetrace.errors import ExitCode, MoetraceError
 
 
 class _Group(click.Group):
@@ -29,29 +29,29 @@ class _Group(click.Group):
             where = err.ctx.command_path if err.ctx is not None else "moetrace"
             msg = " ".join(err.format_message().split())
             click.echo(f"moetrace: error: {msg} (see '{where} --help')", err=True)
-            sys.exit(2)
+            sys.exit(ExitCode.INCOMPLETE)
         except (click.exceptions.Exit, click.Abort):
             raise
         except click.ClickException as err:
             click.echo(f"moetrace: error: {' '.join(err.format_message().split())}", err=True)
-            sys.exit(2)
+            sys.exit(ExitCode.INCOMPLETE)
         except KeyboardInterrupt:
             click.echo("moetrace: interrupted", err=True)
-            sys.exit(130)
+            sys.exit(ExitCode.INTERRUPTED)
         except OSError as err:  # the machine's or the network's answer (disk, permission, endpoint): not a bug
             if os.environ.get("MOETRACE_DEBUG"):
                 raise
             from moetrace.storage import remote_reason
 
             click.echo(f"moetrace: error: {remote_reason(err)}", err=True)
-            sys.exit(2)
+            sys.exit(ExitCode.INCOMPLETE)
         except Exception as err:
             if os.environ.get("MOETRACE_DEBUG"):
                 raise
             why = " ".join(str(err).split()) or "no message"
             click.echo(f"moetrace: error: unexpected {type(err).__name__}: {why} "
                        "(a moetrace bug: please report it; MOETRACE_DEBUG=1 shows the traceback)", err=True)
-            sys.exit(2)
+            sys.exit(ExitCode.INCOMPLETE)
 
 
 class Seconds(click.ParamType):
@@ -485,11 +485,11 @@ def analyze_cmd(**kw):
     Example:
       moetrace analyze /data/traces/unfenced --index index.parquet --plot grid.png
     """
-    from moetrace.jobs.audit import EXIT_PASS, exit_code, run_analysis
+    from moetrace.jobs.audit import exit_code, run_analysis
 
     opts = _analysis_opts(kw)
     _, written = run_analysis("analyze", opts, click.echo, warn=_stderr, live=_progress(opts.as_json))
-    sys.exit(exit_code(EXIT_PASS, written))
+    sys.exit(exit_code(ExitCode.PASS, written))
 
 
 def _analysis_opts(kw: dict):
@@ -637,7 +637,7 @@ def demo_cmd(workdir, device, quick, transport, as_json):
         click.echo(demo.to_json(summary))
     else:
         demo.print_demo(summary, click.echo)
-    sys.exit(0 if summary["race_found"] and summary["fix_validated"] else 1)
+    sys.exit(ExitCode.PASS if summary["race_found"] and summary["fix_validated"] else ExitCode.DIVERGENT)
 
 
 def _cuda_or_refuse(device: str) -> None:

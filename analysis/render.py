@@ -9,6 +9,7 @@ import pandas as pd
 
 from moetrace.analysis.report import Report
 from moetrace.analysis.sentences import fmt_int, layer_text, load_label, row_doc, steps_text
+from moetrace.errors import ExitCode
 from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES
 
 STATUS_WORD = {"match": "ALL MATCH", "divergent": "DIVERGENT", "incomplete": "INCOMPLETE"}
@@ -23,13 +24,14 @@ def to_json(rep: Report) -> str:
 
 
 def unusable_json(message: str) -> str:
-    doc = {"schema": REPORT_SCHEMA, "version": REPORT_SCHEMA_VERSION, "status": "unusable", "audit_exit_code": 2,
+    doc = {"schema": REPORT_SCHEMA, "version": REPORT_SCHEMA_VERSION, "status": "unusable",
+           "audit_exit_code": int(ExitCode.INCOMPLETE),
            "error": message}
     return json.dumps(doc, indent=2) + "\n"
 
 
 def unusable_markdown(message: str) -> str:
-    return f"# moetrace audit: UNUSABLE (exit 2)\n\n{message}\n"
+    return f"# moetrace audit: UNUSABLE (exit {int(ExitCode.INCOMPLETE)})\n\n{message}\n"
 
 
 def unusable_junit(message: str) -> str:

@@ -24,7 +24,7 @@ from moetrace.analysis.trace import TraceData, read_trace
 from moetrace.analysis.verdicts import MATCH, MISSING, OUT_OF_SCOPE, VERDICTS
 from moetrace.checkpoints.index_build import cached_index
 from moetrace.checkpoints.reader import open_checkpoint
-from moetrace.errors import MoetraceError
+from moetrace.errors import ExitCode, MoetraceError
 from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES, format_ids, parse_rank_label
 from moetrace.analysis.row_facts import index_contradictions, row_facts
 from moetrace.tracer.manifest import (RowFacts, guard_vouches, label_key, rank_problems, refusal_problem,
@@ -33,14 +33,12 @@ from moetrace.tracer.manifest import (RowFacts, guard_vouches, label_key, rank_p
 MAX_ROWS_DEFAULT = 1000  # divergent rows listed in the JSON document
 MAX_MISSING_LISTED = 64  # missing (expert, tensor) entries listed per load
 
-EXIT_OK, EXIT_DIVERGENT, EXIT_INCOMPLETE = 0, 1, 2
-
 
 @dataclass
 class Report:
     doc: dict
     grid: Grid | None = None
-    exit_code: int = EXIT_OK
+    exit_code: ExitCode = ExitCode.PASS
     analysis: Analysis | None = None  # the intermediate results (JUnit and plot read them)
 
 
@@ -270,11 +268,11 @@ def build_report(a: Analysis, inputs: list[str], max_rows: int = MAX_ROWS_DEFAUL
     loads_doc, missing_loads_doc = _loads_section(a, drows)
 
     if divergent:
-        status, code = "divergent", EXIT_DIVERGENT
+        status, code = "divergent", ExitCode.DIVERGENT
     elif incomplete:
-        status, code = "incomplete", EXIT_INCOMPLETE
+        status, code = "incomplete", ExitCode.INCOMPLETE
     else:
-        status, code = "match", EXIT_OK
+        status, code = "match", ExitCode.PASS
     doc = {
         "schema": REPORT_SCHEMA,
         "version": REPORT_SCHEMA_VERSION,
@@ -283,7 +281,7 @@ def build_report(a: Analysis, inputs: list[str], max_rows: int = MAX_ROWS_DEFAUL
         "inputs": {"trace": list(inputs), "index": a.index_path, "checkpoint_id": idx.checkpoint_id,
                    "tp_size": idx.tp_size, "ep_size": idx.ep_size, "index_entries": int(idx.n)},
         "status": status,
-        "audit_exit_code": code,
+        "audit_exit_code": int(code),
         "totals": {
             "rows_read": int(d.n), "rows_in_scope": in_scope_rows, "rows_out_of_scope": int(d.n) - in_scope_rows,
             "tensors": total, "match": n_match, "divergent": divergent, "missing": int(counts[MISSING]),

@@ -34,7 +34,7 @@ from moetrace.errors import MoetraceError
 class EmulatorError(MoetraceError):
     """A rank failed, died or timed out; the message names the rank and why."""
 
-    exit_code = 1
+    exit_code = 1  # the server process failed, as a process exits; not an audit verdict (errors.ExitCode)
 
 
 class RankGroup:

@@ -17,15 +17,10 @@ from moetrace.analysis.report import Report, analyze
 from moetrace.checkpoints.index import index_metadata
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace import storage
-from moetrace.errors import MoetraceError
+from moetrace.errors import ExitCode, MoetraceError
 from moetrace.jobs.progress import Progress
 from moetrace.jobs.traffic import Traffic, launch_and_drive
 from moetrace.schema import parse_ids
-
-# Exit codes of analyze and audit (docs/analysis.md, "Exit codes"). 1 means a divergence
-# and nothing else; 3 says the verdict was a pass but a report file is missing.
-EXIT_PASS, EXIT_DIVERGENT, EXIT_INCOMPLETE, EXIT_REPORT_UNWRITTEN = 0, 1, 2, 3
-AUDIT_WORDS = {0: "pass", 1: "divergence found", 2: "incomplete", 3: "pass, but a report was not written"}
 
 
 @dataclass(frozen=True)
@@ -154,7 +149,9 @@ def run_analysis(command: str, opts: AnalysisOptions, echo: Callable[[str], None
 def exit_code(verdict: int, reports_written: bool) -> int:
     """The one rule: the verdict's code, except that a pass whose report files are not
     all written exits 3 (a missing report must not look like a pass)."""
-    return EXIT_REPORT_UNWRITTEN if verdict == EXIT_PASS and not reports_written else verdict
+    if verdict == ExitCode.PASS and not reports_written:
+        return ExitCode.REPORT_UNWRITTEN
+    return ExitCode(verdict)
 
 
 def run_audit(opts: AnalysisOptions, launch: LaunchOptions | None, echo: Callable[[str], None],
@@ -185,13 +182,13 @@ def run_audit(opts: AnalysisOptions, launch: LaunchOptions | None, echo: Callabl
             raise MoetraceError(msg) from None
         raise
     verdict = rep.exit_code
-    if traffic_problem and verdict == EXIT_PASS:
-        verdict = EXIT_INCOMPLETE  # a trace of traffic that did not happen proves nothing
+    if traffic_problem and verdict == ExitCode.PASS:
+        verdict = ExitCode.INCOMPLETE  # a trace of traffic that did not happen proves nothing
     code = exit_code(verdict, written)
     if not opts.as_json:
         if traffic_problem:
             echo(f"audit: traffic problem: {traffic_problem}")
-        echo(f"audit: exit {code} ({AUDIT_WORDS[code]})")
+        echo(f"audit: exit {int(code)} ({code.words})")
     return code
 
 

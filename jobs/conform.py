@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from moetrace.errors import MoetraceError
+from moetrace.errors import ExitCode, MoetraceError
 
 FORMATS = ("fp8_block", "fp8_channel", "bf16", "int4", "mxfp4", "mxfp8")  # what the fork's load stages
 # Layouts moetrace's expected side cannot reproduce for a staged format: (what, why).
@@ -78,7 +78,7 @@ class ConformResult:
     case: Case
     tp: int
     fork: dict  # path, version, how it was found
-    exit_code: int  # 0 every rank holds its shard, full coverage; 1 divergence; 2 could not tell
+    exit_code: ExitCode  # PASS: every rank holds its shard, full coverage; DIVERGENT; INCOMPLETE: could not tell
     status: str  # the analysis status: "match" | "divergent" | "incomplete"
     run_id: str
     writer: str  # what wrote rank 0's host slots, in words
@@ -269,7 +269,7 @@ def plan_case(case: Case, tp: int) -> Plan:
 
 
 def _refused(plan: Plan, tp: int, error: str) -> ConformResult:
-    return ConformResult(plan.case, tp, plan.fork, 2, plan.status, "", "", "", [], {}, [], "", error=error,
+    return ConformResult(plan.case, tp, plan.fork, ExitCode.INCOMPLETE, plan.status, "", "", "", [], {}, [], "", error=error,
                          patch=plan.patch, method=plan.method)
 
 
@@ -400,7 +400,7 @@ def result_doc(res: ConformResult) -> dict:
 
     doc = {"schema": CONFORM_SCHEMA, "version": CONFORM_SCHEMA_VERSION, "moetrace_version": __version__,
            "fork": res.fork, "case": {**asdict(res.case), "tp": res.tp}, "method": res.method, "run_id": res.run_id,
-           "exit_code": res.exit_code, "status": res.status, "error": res.error or None, "writer": res.writer,
+           "exit_code": int(res.exit_code), "status": res.status, "error": res.error or None, "writer": res.writer,
            "writer_kind": res.writer_kind, "patched": res.patched, "patch": res.patch or None,
            "held": {str(r): h for r, h in res.held.items()}, "first_divergence": res.first_divergence,
            "totals": res.totals, "seconds": res.seconds, "guard": {str(r): g for r, g in res.guard.items()},
@@ -443,7 +443,8 @@ def result_lines(doc: dict) -> list[str]:
             if list(got) != list(range(c["experts"])):
                 shown = ", ".join("?" if e is None else str(e) for e in got)
                 lines.append(f"  rank {r} {'/'.join(names)}: experts 0..{c['experts'] - 1} hold [{shown}]")
-    word = {0: "PASS: every rank holds its shard, full coverage", 1: "DIVERGENT", 2: "INCOMPLETE"}[doc["exit_code"]]
+    code = ExitCode(doc["exit_code"])
+    word = code.label + (": every rank holds its shard, full coverage" if code == ExitCode.PASS else "")
     lines.append(f"{word}: {doc['totals']}")  # the verdict, last
     return lines
 
@@ -459,7 +460,7 @@ def write_doc(json_out: str | None, doc: dict, exit_code: int, echo: Callable[[s
         write_local_text(json_out, "--json-out", json.dumps(doc, indent=1) + "\n")
     except MoetraceError as err:
         echo(f"moetrace: error: {err}")
-        return 3 if exit_code == 0 else exit_code
+        return ExitCode.REPORT_UNWRITTEN if exit_code == ExitCode.PASS else exit_code
     return exit_code
 
 

@@ -13,20 +13,22 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from moetrace.errors import ExitCode
 from moetrace.jobs.conform import FORMATS, Case, result_doc, run_conform, write_doc
 
 RELEASES_SCHEMA, RELEASES_SCHEMA_VERSION = "moetrace.conform.releases", 1
-VERDICTS = {0: "PASS", 1: "DIVERGENT", 2: "REFUSED", 3: "PASS"}
 
 
 def row_of(version: str, kt: str | None, doc: dict, seconds: float) -> dict:
     """One table row from a result document (the analysis itself left out: the table's
     JSON holds every row's provenance, verdict and what each rank held)."""
-    code = doc["exit_code"]
-    verdict = {"error": "ERROR", "absent": "NO PATH"}.get(doc["status"], VERDICTS[code])
+    code = ExitCode(doc["exit_code"])
+    # a release's case that could not run was refused (the fork, or its format)
+    verdict = {"error": "ERROR", "absent": "NO PATH"}.get(doc["status"]) or (
+        "REFUSED" if code == ExitCode.INCOMPLETE else code.label)
     return {"release": version, "kt_kernel": kt, "format": doc["case"]["fmt"],
             "fence": "--patch-fence" if doc["case"]["patch_fence"] else "as installed", "verdict": verdict,
-            "exit_code": code, "e_plus_k": doc["e_plus_k"], "seconds": round(seconds, 1), "why": doc["error"],
+            "exit_code": int(code), "e_plus_k": doc["e_plus_k"], "seconds": round(seconds, 1), "why": doc["error"],
             "writer_kind": doc["writer_kind"] or None,
             "result": {k: v for k, v in doc.items() if k != "analysis"}}
 
@@ -45,7 +47,7 @@ def run_release(version: str, rel, formats: Sequence[str], tp: int, experts: int
                 writer: str) -> list[dict]:
     if rel.path is None:
         return [{"release": version, "kt_kernel": rel.kt_kernel, "format": "-", "fence": "-",
-                 "verdict": "NOT INSTALLED", "exit_code": 2, "e_plus_k": [], "seconds": 0.0, "why": rel.why,
+                 "verdict": "NOT INSTALLED", "exit_code": int(ExitCode.INCOMPLETE), "e_plus_k": [], "seconds": 0.0, "why": rel.why,
                  "writer_kind": None, "result": None}]
     cases = [Case(f, schedule, fenced, writer, experts, str(rel.path)) for f in formats for fenced in (False, True)]
     t0 = time.perf_counter()
@@ -82,8 +84,9 @@ def releases_main(spec: str, formats: Sequence[str] | None, tp: int, experts: in
         rows += got
     for line in table(rows):
         echo(line)
-    code = 1 if any(r["exit_code"] == 1 for r in rows) else 2 if any(r["exit_code"] == 2 for r in rows) else 0
+    codes = {r["exit_code"] for r in rows}
+    code = next((c for c in (ExitCode.DIVERGENT, ExitCode.INCOMPLETE) if c in codes), ExitCode.PASS)
     doc = {"schema": RELEASES_SCHEMA, "version": RELEASES_SCHEMA_VERSION, "moetrace_version": __version__,
            "spec": spec, "formats": list(formats), "tp": tp, "experts": experts, "schedule": schedule,
-           "cache": str(folder), "exit_code": code, "rows": rows}
+           "cache": str(folder), "exit_code": int(code), "rows": rows}
     return write_doc(json_out, json.loads(json.dumps(doc)), code, echo)

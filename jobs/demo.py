@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from moetrace.errors import MoetraceError
+from moetrace.errors import ExitCode, MoetraceError
 from moetrace.jobs.progress import Progress
 
 RUNS = (("unfenced", "none"), ("fenced", "all"))
@@ -239,8 +239,8 @@ def _run_demo(workdir: Path, device: str, quick: bool, transport: str, progress:
         }
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     unf, fen = summary["runs"]["unfenced"], summary["runs"]["fenced"]
-    summary["race_found"] = unf["audit_exit_code"] == 1 and any("(E+2)" in s for s in unf["first_divergence"])
-    summary["fix_validated"] = fen["audit_exit_code"] == 0
+    summary["race_found"] = unf["audit_exit_code"] == ExitCode.DIVERGENT and any("(E+2)" in s for s in unf["first_divergence"])
+    summary["fix_validated"] = fen["audit_exit_code"] == ExitCode.PASS
     return summary
 
 
@@ -319,12 +319,12 @@ def judge_detector(unf, fen, guards: tuple[dict, dict] | None = None) -> dict:
     report must name E+2 on rank 1's w2 scales first, the fenced one must be a clean,
     complete audit; ``guards``: the in-server guard's records of both runs (judge_guard)."""
     first = [e for f in unf.doc["first_divergence"] for e in f["entries"]]
-    caught = unf.exit_code == 1 and any(
+    caught = unf.exit_code == ExitCode.DIVERGENT and any(
         e["verdict"] == "stale" and e.get("k") == 2 and e["tp_rank"] == 1 and e["tensor"] == "w2_weight_scale_inv"
         for e in first
     )
     totals = fen.doc["totals"]
-    clean = fen.exit_code == 0 and totals["missing"] == 0 and totals["divergent"] == 0 and totals["tensors"] > 0
+    clean = fen.exit_code == ExitCode.PASS and totals["missing"] == 0 and totals["divergent"] == 0 and totals["tensors"] > 0
     problems = []
     if not caught:
         got = "; ".join(f["sentence"] for f in unf.doc["first_divergence"]) or "no divergence"

@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from moetrace.errors import ExitCode
 from moetrace.jobs import demo
 from moetrace.jobs.progress import Progress
 from moetrace.jobs.timing import best_of
@@ -275,18 +276,18 @@ def run_selftest(device: str = "cpu", quick: bool = False, workdir: str | None =
             if on_proof is not None:
                 on_proof(proof)
     if any(p.ok is False for p in proofs):
-        return 1, proofs
+        return ExitCode.DIVERGENT, proofs  # a proof failed
     if any(p.ok is None for p in proofs):
-        return 2, proofs
-    return 0, proofs
+        return ExitCode.INCOMPLETE, proofs  # a proof could not run here
+    return ExitCode.PASS, proofs
 
 
 def verdict_line(code: int, proofs: list[Proof], device: str) -> str:
-    if code == 0:
+    if code == ExitCode.PASS:
         measured = [p.name for p in proofs if p.kind == "measurement"]
         return f"selftest PASSED on {device}: every proof holds" + (f" ({', '.join(measured)}: measured, not judged)"
                                                                      if measured else "")
-    if code == 1:
+    if code == ExitCode.DIVERGENT:
         failed = ", ".join(p.name for p in proofs if p.ok is False)
         return f"selftest FAILED on {device}: {failed}"
     blocked = "; ".join(f"{p.name}: {p.detail}" for p in proofs if p.ok is None)
@@ -299,7 +300,7 @@ def as_json(code: int, proofs: list[Proof], device: str) -> dict:
         "device": device,
         "device_name": torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else os.uname().machine,
         "torch": torch.__version__,
-        "exit_code": code,
+        "exit_code": int(code),
         "verdict": verdict_line(code, proofs, device),
         "proofs": [asdict(p) for p in proofs],
     }
