@@ -21,7 +21,7 @@ from moetrace.analysis.expected import IndexData
 from moetrace.analysis.trace import TraceData
 from moetrace.analysis.verdicts import MATCH, OUT_OF_SCOPE, KeyLookup, Verdicts, classify
 from moetrace.schema import SOURCES, parse_rank_label
-from moetrace.tracer.manifest import guard_vouches
+from moetrace.tracer.completeness import guard_vouches
 
 
 class Analysis:

@@ -24,8 +24,9 @@ from moetrace import storage
 from moetrace.errors import MoetraceError
 from moetrace.fingerprint import FP_VERSION
 from moetrace.schema import MANIFEST_SCHEMA_VERSION, parse_ids, parse_rank_label
-from moetrace.tracer.manifest import (MANIFEST_NAME, RUN_MANIFEST_NAME, check_rank_manifest, check_run_manifest,
-                                      expected_labels, label_key, read_refusals)
+from moetrace.tracer.claim import read_refusals
+from moetrace.tracer.manifest import (MANIFEST_NAME, PART_FILE, RUN_MANIFEST_NAME, check_rank_manifest,
+                                      check_run_manifest, expected_labels, label_key)
 
 RANK_DIR = re.compile(r"^rank=([0-9a-z-]+)$")
 
@@ -33,7 +34,6 @@ RANK_DIR = re.compile(r"^rank=([0-9a-z-]+)$")
 def _label_of(dirname: str) -> str | None:
     m = RANK_DIR.match(dirname)
     return m.group(1) if m and parse_rank_label(m.group(1)) is not None else None
-PART_FILE = re.compile(r"^part-\d+\.parquet$")
 
 
 @dataclass
@@ -47,7 +47,7 @@ class RankDir:
 
 
 @dataclass
-class RankManifest:
+class RankFolder:
     label: str  # schema.rank_label of the process
     path: str
     manifest: dict
@@ -108,7 +108,7 @@ class RunInfo:
     tp_size: int
     ep_size: int
     expected_ranks: list[str]  # rank labels: every TP rank of every stage and replica
-    ranks: dict[str, RankManifest] = field(default_factory=dict)  # by rank label
+    ranks: dict[str, RankFolder] = field(default_factory=dict)  # by rank label
     run_json: dict | None = None
     pp_size: int = 1
     moe_tp_size: int | None = None  # from the manifests (the modules' moe_tp_size)
@@ -213,30 +213,29 @@ def _read_json(fs: pafs.FileSystem, path: str, what: str) -> dict:
     return doc
 
 
-def _rank_manifest(fs: pafs.FileSystem, rd: RankDir) -> RankManifest:
-    """A rank folder's manifest, read strictly (tracer.manifest_fields), with its parts
+def _rank_manifest(fs: pafs.FileSystem, rd: RankDir) -> RankFolder:
+    """A rank folder's manifest, read strictly (tracer.manifest), with its parts
     split into the listed ones found, the unlisted ones and the listed ones absent."""
     if rd.manifest_path is None:
         raise MoetraceError(
             f"{rd.display} has no {MANIFEST_NAME}: the tracer never started there or the folder is incomplete"
         )
-    m = check_rank_manifest(_read_json(fs, rd.manifest_path, "manifest"), rd.manifest_path)
-    if m["fp_version"] != FP_VERSION:  # first: digests of two versions are never compared
+    m = _read_json(fs, rd.manifest_path, "manifest")
+    # the versions first (an older manifest lacks or names keys otherwise): digests of two
+    # fingerprint versions are never compared, and a manifest of another version is not read
+    if _is_int(m.get("fp_version")) and m["fp_version"] != FP_VERSION:
         raise MoetraceError(
             f"manifest {rd.manifest_path} has fingerprint version {m['fp_version']!r}; this moetrace "
             f"computes version {FP_VERSION}: capture the trace again with this moetrace "
             "(and rebuild its index with `moetrace index`)"
         )
-    ver = m["schema_version"]
-    if ver != MANIFEST_SCHEMA_VERSION:
-        raise MoetraceError(
-            f"manifest {rd.manifest_path} has schema_version {ver!r}; this moetrace reads version {MANIFEST_SCHEMA_VERSION}"
-        )
+    _same_version(m, f"manifest {rd.manifest_path}")
+    check_rank_manifest(m, rd.manifest_path)
     if m["rank_label"] != rd.label:
         raise MoetraceError(f"manifest {rd.manifest_path} says rank {m['rank_label']} but sits in rank={rd.label}")
     listed = {f"{rd.path}/{p['file']}": p["rows"] for p in m["parts"]}
     found = set(rd.parts)
-    return RankManifest(label=rd.label, path=rd.path, manifest=m, parts=[p for p in rd.parts if p in listed],
+    return RankFolder(label=rd.label, path=rd.path, manifest=m, parts=[p for p in rd.parts if p in listed],
                         part_rows=listed, unlisted_parts=sorted(found - set(listed)),
                         absent_parts=sorted(set(listed) - found))
 
@@ -245,14 +244,25 @@ def _run_file(fs: pafs.FileSystem, run_path: str) -> dict | None:
     path = f"{run_path}/{RUN_MANIFEST_NAME}"
     if fs.get_file_info(path).type != pafs.FileType.File:
         return None
-    doc = check_run_manifest(_read_json(fs, path, "run file"), path)
-    if doc["schema_version"] != MANIFEST_SCHEMA_VERSION:
-        raise MoetraceError(f"run file {path} has schema_version {doc['schema_version']!r}; "
-                            f"this moetrace reads version {MANIFEST_SCHEMA_VERSION}")
-    return doc
+    doc = _read_json(fs, path, "run file")
+    _same_version(doc, f"run file {path}")
+    return check_run_manifest(doc, path)
 
 
-def _one_launch(run_path: str, run_json: dict | None, ranks: dict[str, RankManifest]) -> None:
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _same_version(doc: dict, what: str) -> None:
+    """A side file of another manifest schema version is refused in one line (version 4
+    renamed rank_source and rank_sources to tp_rank_found_by and rank_found_by)."""
+    ver = doc.get("schema_version")
+    if _is_int(ver) and ver != MANIFEST_SCHEMA_VERSION:
+        raise MoetraceError(f"{what} has schema_version {ver!r}; this moetrace reads version {MANIFEST_SCHEMA_VERSION} "
+                            "(capture the trace again with this moetrace)")
+
+
+def _one_launch(run_path: str, run_json: dict | None, ranks: dict[str, RankFolder]) -> None:
     """Every side file of a run folder belongs to one launch: the same run id, and the
     run_nonce of _run.json (or, without one, the same run_nonce on every rank). A reused
     run id mixes launches; nothing of such a folder can be trusted."""

@@ -16,6 +16,7 @@ from typing import Sequence
 from moetrace.checkpoints.layout import CANONICAL, LayoutRefused, ServerLayout
 from moetrace.checkpoints.layout_rules import derive_layout
 from moetrace.errors import MoetraceError
+from moetrace.tracer.manifest import parse_layout_key
 
 SGLANG_MODULE_PREFIX = "sglang."
 
@@ -25,17 +26,6 @@ class TraceLayout:
     layout: ServerLayout
     warnings: list[str] = field(default_factory=list)
     facts: dict = field(default_factory=dict)  # (run_id, rank, source, model, layer) -> facts
-
-
-def _layout_key(key: str) -> tuple[str, str, int] | None:
-    """"<source>:<model>:<layer>" -> (source, model, layer); a key without the model part
-    (written before models were recorded) is the target's."""
-    parts = str(key).split(":")
-    if len(parts) == 2:
-        parts = [parts[0], "target", parts[1]]
-    if len(parts) != 3 or not parts[2].lstrip("-").isdigit():
-        return None
-    return parts[0], parts[1], int(parts[2])
 
 
 def _where(run_id: str, rank, source: str, model: str, layer: int) -> str:
@@ -51,7 +41,7 @@ def recorded_facts(runs) -> dict[tuple[str, str, str, str, int], dict | None]:
             if not isinstance(layouts, dict):
                 continue
             for key, facts in layouts.items():
-                parsed = _layout_key(key)
+                parsed = parse_layout_key(key)
                 if parsed is not None:
                     out[(run.run_id, rank, *parsed)] = facts if isinstance(facts, dict) else {"error": repr(facts)}
     return out

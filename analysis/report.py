@@ -26,9 +26,11 @@ from moetrace.checkpoints.index_build import cached_index
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.errors import ExitCode, MoetraceError
 from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES, format_ids, parse_rank_label
+from moetrace.analysis.row_check import RowFacts, rows_problems
 from moetrace.analysis.row_facts import index_contradictions, row_facts
-from moetrace.tracer.manifest import (RowFacts, guard_vouches, label_key, rank_problems, refusal_problem,
-                                      rows_problems, run_file_problems)
+from moetrace.tracer.claim import refusal_problem
+from moetrace.tracer.completeness import guard_vouches, rank_problems, run_file_problems
+from moetrace.tracer.manifest import label_key
 
 MAX_ROWS_DEFAULT = 1000  # divergent rows listed in the JSON document
 MAX_MISSING_LISTED = 64  # missing (expert, tensor) entries listed per load
@@ -71,8 +73,8 @@ def _rows_per_rank(a: Analysis):
 
 def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> list[dict]:
     """One document per run with its manifests; completeness problems appended to `incomplete`
-    (the one rule of tracer.manifest: each manifest, and its rows against it, plus what only a
-    reader can see: rows that did not arrive)."""
+    (the one rule of tracer.completeness: each manifest, and its rows against it (row_check),
+    plus what only a reader can see: rows that did not arrive)."""
     d, L, idx = a.data, a.loads, a.idx
     rows_of = _rows_per_rank(a)
     facts = row_facts(a)
@@ -235,7 +237,7 @@ def _totals_sentence(n_match: int, total: int, steps: int, ranks: list[int], by_
 
 def guard_verified(a: Analysis) -> dict[str, int]:
     """{rank label: matching tensors its guard verified} of the ranks whose guard kept rows of
-    mismatches only (tracer.manifest.guard_vouches); their rows hold the mismatches."""
+    mismatches only (tracer.completeness.guard_vouches); their rows hold the mismatches."""
     out = {}
     for run in a.data.runs:
         for label, rk in run.ranks.items():

@@ -1,4 +1,4 @@
-"""What each rank's rows say, gathered once for the completeness rule (tracer.manifest.
+"""What each rank's rows say, gathered once for the completeness rule (analysis.row_check.
 rows_problems), which holds them against the rank's manifest.
 
 Columnar: the rows are sorted by (run, rank) once; each rank's facts are distinct
@@ -14,7 +14,8 @@ from moetrace.analysis.coverage import Analysis
 from moetrace.analysis.trace import ONLINE
 from moetrace.analysis.verdicts import MATCH, OUT_OF_SCOPE
 from moetrace.schema import SOURCES
-from moetrace.tracer.manifest import RowFacts, layout_key
+from moetrace.analysis.row_check import RowFacts
+from moetrace.tracer.manifest import layout_key
 
 MAX_CONFLICTS = 3  # slot conflicts named per rank (the count says the rest)
 

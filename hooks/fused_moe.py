@@ -93,7 +93,7 @@ class FusedMoECapture:
             epoch = None
             if tr.config.resident_cache and not slots.source.startswith("kt") and weight_events.watch_params(tensors):
                 epoch = weight_events.epoch()
-            # the slots its captures report: the layout's less those never filled (tracer.manifest.layout_slots)
+            # the slots its captures report: the layout's less those never filled (analysis.row_check.layout_slots)
             tr.record_layout(self.source, layer, {**layout_facts(module), "unfilled_slots": n_slots - len(used)}, model)
             tr.capture(tensors, layer=layer, source=self.source, step=step, model=model,
                        experts=[slots.experts[i] for i in used], slots=used, positions=used,

@@ -25,7 +25,7 @@ class ProcessRanks:
     pp_rank: int = 0
     pp_size: int = 1
     replica: int | None = None  # None: the server has one replica
-    sources: dict = field(default_factory=dict)  # {"tp": how, "pp": how, "replica": how}
+    found_by: dict = field(default_factory=dict)  # {"tp": how, "pp": how, "replica": how} each was found
 
 
 def detect_rank(tp_rank: int | None = None, tp_size: int | None = None) -> tuple[int, int, str]:

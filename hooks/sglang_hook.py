@@ -47,9 +47,9 @@ def get_tracer(cfg: TraceConfig, reg: Registration | None = None) -> Tracer:
         tracer = _TRACERS.get(key)
         if tracer is None or tracer.sink.closed:
             p = detect_process(cfg, reg.runner if reg else None, reg.dp_rank if reg else None)
-            tracer = _TRACERS[key] = Tracer(cfg, p.tp_rank, p.tp_size, rank_source=p.sources["tp"],
+            tracer = _TRACERS[key] = Tracer(cfg, p.tp_rank, p.tp_size, tp_rank_found_by=p.found_by["tp"],
                                             pp_rank=p.pp_rank, pp_size=p.pp_size, replica=p.replica,
-                                            rank_sources=p.sources)
+                                            rank_found_by=p.found_by)
         return tracer
 
 

@@ -41,6 +41,8 @@ from moetrace.servers.process_group import ServerGroup
 from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec, index_fits
 from moetrace.tracer.config import check_metrics_ports
 from moetrace import storage
+from moetrace.tracer.claim import read_refusals
+from moetrace.tracer.completeness import run_problems
 from moetrace.tracer.manifest import (
     RUN_MANIFEST_NAME,
     common_value,
@@ -48,9 +50,7 @@ from moetrace.tracer.manifest import (
     expected_rank_count,
     label_key,
     new_run_manifest,
-    read_refusals,
     read_manifests,
-    run_problems,
     utc_now,
 )
 

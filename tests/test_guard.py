@@ -31,7 +31,8 @@ from moetrace.hooks.kt import KTLoadCapture
 from moetrace.tracer.capture import Tracer
 from moetrace.tracer.config import TraceConfig
 from moetrace.tracer.guard import GuardMismatch
-from moetrace.tracer.manifest import rank_problems, read_manifests
+from moetrace.tracer.completeness import rank_problems
+from moetrace.tracer.manifest import read_manifests
 from support.guarded import Experts, StagedContext, scrape, shards, total
 from support.traces import read_rows
 

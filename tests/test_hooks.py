@@ -144,7 +144,7 @@ def test_sglang_register_forward_hooks_matches_index(make_ckpt, index, tmp_path)
     m = read_manifests(str(tmp_path), "one")["0"]
     assert m["finished"] and m["hook_errors"] == 0 and m["online"] == {"match": len(t), "mismatch": 0, "unchecked": 0}
     assert m["checkpoint_id"] == pq.read_table(idx).column("checkpoint_id")[0].as_py()
-    assert m["rank_source"] in ("default", "env")
+    assert m["tp_rank_found_by"] in ("default", "env")
 
 
 def test_swapped_expert_slice_is_recorded_and_dumped(make_ckpt, index, tmp_path):
@@ -206,7 +206,7 @@ def test_tp2_gloo_two_processes(make_ckpt, index, tmp_path):
     spec = json.dumps(_spec(tmp_path, run_id="tp2", index=idx))
     mp.spawn(_tp2_worker, args=(2, _free_port(), str(ckpt), {"spec": spec}), nprocs=2, join=True)
     ms = read_manifests(str(tmp_path), "tp2")
-    assert sorted(ms) == ["0", "1"] and all(m["finished"] and m["rank_source"] == "torch.distributed" for m in ms.values())
+    assert sorted(ms) == ["0", "1"] and all(m["finished"] and m["tp_rank_found_by"] == "torch.distributed" for m in ms.values())
     t = read_trace(str(tmp_path), "tp2").to_pylist()
     keys = {r: {(x["step"], x["layer"], x["expert"], x["tensor"]) for x in t if x["tp_rank"] == r} for r in (0, 1)}
     assert keys[0] == keys[1] and len(keys[0]) == 3 * 2 * 8 * 4  # rows line up by step
@@ -557,7 +557,7 @@ def test_launch_runs_server_and_finishes_the_trace(make_ckpt, tmp_path):
     assert run["cuda_graph_flags"] == list(SPLIT_CUDA_GRAPH_FLAGS) and run["tp_size"] == 2
     assert [(r["tp_rank"], r["present"], r["finished"]) for r in run["ranks"]] == [(0, True, True), (1, True, True)]
     ms = read_manifests(str(out), "L")
-    assert all(m["finished"] and m["close_reason"] == "control-file" and m["rank_source"] == "env" for m in ms.values())
+    assert all(m["finished"] and m["close_reason"] == "control-file" and m["tp_rank_found_by"] == "env" for m in ms.values())
     t = read_trace(str(out), "L")
     assert t.num_rows == sum(m["rows_written"] for m in ms.values()) > 0
     assert run["problems"] == [] and run["stop_reason"] == "SIGTERM"
@@ -575,7 +575,7 @@ def _rank(r, **kw):
 
 def test_run_problems_and_summary_line():
     from moetrace.servers.launcher import summary_line
-    from moetrace.tracer.manifest import run_problems
+    from moetrace.tracer.completeness import run_problems
 
     good = {"0": _rank(0), "1": _rank(1)}
     assert run_problems(good, 2, server_exit_code=0, stop_requested=True) == []

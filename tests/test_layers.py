@@ -1,5 +1,6 @@
-"""Imports run one way: bottom <- checkpoints <- tracer <- hooks; analysis reads through the
-bottom layer, the index reader and the manifests, never through hooks; jobs <- cli.
+"""Imports run one way: bottom <- checkpoints <- tracer <- hooks <- servers; analysis reads
+through the bottom layer, the index reader and the trace's side files (their declaration, the
+completeness rule, claims, sampling), never through hooks; jobs <- commands <- cli.
 Every import of every module counts, at the top level or inside a function."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BOTTOM = {"errors", "schema", "fingerprint", "storage", "__init__"}  # modules, and fingerprint/ as a whole
+BOTTOM = {"errors", "schema", "declared", "fingerprint", "storage", "__init__"}  # modules, and fingerprint/ as a whole
 # layer -> the layers it may import (besides itself and the bottom)
 ALLOWED = {
     "bottom": set(),
@@ -16,7 +17,8 @@ ALLOWED = {
     "tracer": {"checkpoints"},
     "hooks": {"checkpoints", "tracer"},
     "servers": {"checkpoints", "tracer", "hooks"},
-    "analysis": {"checkpoints", "tracer.manifest"},
+    # the trace's side files: their declaration, the completeness rule, claims, the sampling a config records
+    "analysis": {"checkpoints", "tracer.manifest", "tracer.completeness", "tracer.claim", "tracer.sampling"},
     "conform": {"checkpoints", "tracer", "hooks"},
     "emulator": {"checkpoints", "tracer", "hooks", "conform"},
     "jobs": {"checkpoints", "tracer", "hooks", "servers", "analysis", "conform", "emulator"},

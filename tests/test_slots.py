@@ -96,7 +96,7 @@ def test_identity_steps_and_models_in_the_manifests(server):
     for label, m in ms.items():
         assert (m["pp_size"], m["pp_rank"], m["tp_rank"], m["replica"], m["rank_label"]) == (
             2, int(label[2]), int(label[-1]), None, label)
-        assert m["rank_sources"] == {"tp": "sglang", "pp": "sglang", "replica": "default"}
+        assert m["rank_found_by"] == {"tp": "sglang", "pp": "sglang", "replica": "default"}
         target = m["models"]["target"]
         assert target["step_source"] == "model-runner-pass-id" and target["detected_by"] == "runner.is_draft_worker"
         assert target["layers"] == ([0, 1] if label.startswith("pp0") else [2, 3])
@@ -105,7 +105,7 @@ def test_identity_steps_and_models_in_the_manifests(server):
             assert m["models"]["draft"]["layers"] == [0] and m["models"]["draft"]["slot_maps"] == {"ep-contiguous": 1}
     kt = read_manifests(server["out"], "kt")
     assert sorted(kt) == ["replica0-tp0", "replica0-tp1", "replica1-tp0", "replica1-tp1"]
-    assert {(m["replica"], m["tp_rank"], m["rank_sources"]["replica"]) for m in kt.values()} == {
+    assert {(m["replica"], m["tp_rank"], m["rank_found_by"]["replica"]) for m in kt.values()} == {
         (d, t, "env") for d in (0, 1) for t in (0, 1)}
     assert all(m["models"]["target"]["slot_maps"] == {"kt-staged": 1, "kt-gpu-index": 2} for m in kt.values())
 
@@ -216,7 +216,7 @@ def test_replica_and_stage_detection(monkeypatch):
         par = types.SimpleNamespace(dp_size=dp_size, dp_rank=1, pp_rank=1, pp_size=2)
         monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", types.SimpleNamespace(get_parallel=lambda p=par: p))
         p = detect_process(cfg)
-        assert (p.replica, p.pp_rank, p.pp_size, p.sources["pp"], p.sources["replica"]) == (want, 1, 2, "sglang", "sglang")
+        assert (p.replica, p.pp_rank, p.pp_size, p.found_by["pp"], p.found_by["replica"]) == (want, 1, 2, "sglang", "sglang")
     monkeypatch.delitem(sys.modules, "sglang.srt.runtime_context")
     # the fork: ModelRunner(dp_rank=...) with server_args; DP attention keeps one world (no replicas)
     for attention, want in ((False, 3), (True, None)):

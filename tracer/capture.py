@@ -26,6 +26,7 @@ from moetrace.fingerprint import finalize, row_bytes, row_chunk_digests
 from moetrace.tracer.online import MISMATCH, OnlineIndex
 from moetrace.schema import TENSOR_NAMES, RankIdentity, dtype_name
 from moetrace.tracer.batch import CaptureBatch, CaptureEvent, CapturedTensor
+from moetrace.tracer.manifest import layout_key
 from moetrace.tracer.sink import TraceSink
 from moetrace.tracer.unchanged import ResidentCache, weights_key
 from moetrace.tracer.steps import step_counter
@@ -58,8 +59,8 @@ class Tracer:
 
     A process is (replica, pp_rank, tp_rank); its folder is ``rank=<rank_label>``."""
 
-    def __init__(self, config: TraceConfig, tp_rank: int, tp_size: int, rank_source: str = "config", *,
-                 pp_rank: int = 0, pp_size: int = 1, replica: int | None = None, rank_sources: dict | None = None):
+    def __init__(self, config: TraceConfig, tp_rank: int, tp_size: int, tp_rank_found_by: str = "config", *,
+                 pp_rank: int = 0, pp_size: int = 1, replica: int | None = None, rank_found_by: dict | None = None):
         self.config = config
         self.sampling = config.sampling
         self.tp_rank, self.tp_size = int(tp_rank), int(tp_size)
@@ -90,10 +91,10 @@ class Tracer:
             pp_rank=self.pp_rank,
             pp_size=self.pp_size,
             replica=replica,
-            rank_sources=rank_sources,
+            rank_found_by=rank_found_by,
             config=config.to_dict(),
             checkpoint_id=checkpoint_id,
-            rank_source=rank_source,
+            tp_rank_found_by=tp_rank_found_by,
             rows_per_part=config.rows_per_part,
             flush_interval_s=config.flush_interval_s,
             queue_size=config.queue_size,
@@ -309,14 +310,14 @@ class Tracer:
         """Keep a layer's layout facts in the manifest under "<source>:<model>:<layer>" (only
         when they change: the facts are read at every capture, written once per layer
         unless the server changes them)."""
-        key = f"{source}:{model}:{int(layer)}"
+        key = layout_key(source, model, layer)
         if self._layouts.get(key) != facts:
             self._layouts[key] = facts
             self.sink.set_layout(key, facts)
 
     def layout(self, source: str, layer: int, model: str = "target") -> dict | None:
         """The layout facts record_layout last kept for this layer, or None."""
-        return self._layouts.get(f"{source}:{model}:{int(layer)}")
+        return self._layouts.get(layout_key(source, model, layer))
 
     def note_once(self, message: str) -> None:
         if message not in self._logged:

@@ -5,7 +5,8 @@ replica id went undetected, a restart reusing a run id) would overwrite each
 other's parts and manifest. The first process to create ``rank=<label>/_claim.json``
 (O_EXCL on local disks; check-then-write elsewhere, which object stores cannot do
 better) owns the folder. Any other process is refused: it traces nothing and leaves
-``OUT/<run_id>/_refused-<host>-<pid>.json`` so that the run reads as incomplete.
+``OUT/<run_id>/_refused-<host>-<pid>.json`` so that the run reads as incomplete;
+``read_refusals`` and ``refusal_problem`` are the readers' side of those records.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import pyarrow.fs as pafs
 
 from moetrace import storage
 from moetrace.errors import MoetraceError
-from moetrace.tracer.manifest import REFUSED_PREFIX, another_launch
-
 CLAIM_NAME = "_claim.json"
+REFUSED_PREFIX = "_refused-"  # OUT/<run_id>/_refused-<host>-<pid>.json
 
 
 def _local_path(fs: pafs.FileSystem, path: str) -> str | None:
@@ -44,7 +44,7 @@ def claim_rank_dir(fs: pafs.FileSystem, run_dir: str, rank_dir: str, label: str,
                    run_nonce: str | None = None) -> None:
     """Claim the rank folder for this process, or refuse (MoetraceError) after leaving a
     refusal record in the run folder. The same process may claim its folder again.
-    ``run_nonce``: the launch's (issue 13); an owner with another one is an earlier
+    ``run_nonce``: the launch's; an owner with another one is an earlier
     launch under the same run id, which `moetrace launch` itself refuses or --replace clears."""
     me = {"run_id": run_id, "run_nonce": run_nonce, "rank_label": label, "host": socket.gethostname(),
           "pid": os.getpid(), "started_at": started_at}
@@ -76,3 +76,31 @@ def claim_rank_dir(fs: pafs.FileSystem, run_dir: str, rank_dir: str, label: str,
         f"(pid {me['pid']}) is not traced. Data-parallel replicas need distinct replica ids (SGLANG_DP_RANK or hook "
         "config 'replica'), a restarted server a new run id"
     )
+
+
+def read_refusals(fs, run_dir: str) -> list[dict]:
+    """The refusal records of a run folder (each: the refused process and who owns its folder)."""
+    out = []
+    for info in storage.list_dir(fs, run_dir):
+        if info.base_name.startswith(REFUSED_PREFIX) and info.base_name.endswith(".json"):
+            try:
+                doc = storage.read_json(fs, info.path)
+            except Exception:
+                doc = {}
+            out.append(doc if isinstance(doc, dict) else {})
+    return out
+
+
+def another_launch(owner: dict, me: dict) -> bool:
+    """A folder claim `owner` belongs to another launch than `me` (both say their run_nonce)."""
+    return bool(owner.get("run_nonce") and me.get("run_nonce") and owner["run_nonce"] != me["run_nonce"])
+
+
+def refusal_problem(doc: dict) -> str:
+    """One phrase for a refusal record: a process with another's identity traced nothing."""
+    owner = doc.get("claimed_by") or {}
+    why = "a process of an earlier launch under the same run id" if another_launch(owner, doc) else \
+        "two processes with one identity"
+    return (f"process pid {doc.get('pid', '?')} on {doc.get('host', '?')} was refused: rank {doc.get('rank_label', '?')} "
+            f"already belonged to pid {owner.get('pid', '?')} on {owner.get('host', '?')} ({why}; that process traced "
+            "nothing)")

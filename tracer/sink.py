@@ -65,10 +65,10 @@ class TraceSink:
         pp_rank: int = 0,
         pp_size: int = 1,
         replica: int | None = None,
-        rank_sources: dict | None = None,
+        rank_found_by: dict | None = None,
         config: dict | None = None,
         checkpoint_id: str | None = None,
-        rank_source: str = "config",
+        tp_rank_found_by: str = "config",
         rows_per_part: int = 65536,
         flush_interval_s: float = 5.0,
         queue_size: int = 1024,
@@ -89,8 +89,8 @@ class TraceSink:
             storage.make_dirs(self.fs, self.rank_dir)
         except Exception as err:
             raise MoetraceError(f"output {out}: cannot create {self.rank_dir} ({err})") from None
-        self._m = new_rank_manifest(run_id, tp_rank, tp_size, config or {}, checkpoint_id, rank_source,
-                                    pp_rank=pp_rank, pp_size=pp_size, replica=replica, rank_sources=rank_sources)
+        self._m = new_rank_manifest(run_id, tp_rank, tp_size, config or {}, checkpoint_id, tp_rank_found_by,
+                                    pp_rank=pp_rank, pp_size=pp_size, replica=replica, rank_found_by=rank_found_by)
         claim_rank_dir(self.fs, self.run_dir, self.rank_dir, self.label, run_id, self._m["started_at"],
                        self._m["run_nonce"])
         self.rows_per_part = int(rows_per_part)
