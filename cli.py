@@ -254,7 +254,7 @@ def index_cmd(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layou
         raise MoetraceError("pass --up-first or --layout-from, not both")
     layout = ServerLayout(up_first=up_first)
     if layout_from:
-        from moetrace.analysis.layouts import layout_of_trace
+        from moetrace.analysis.trace_layout import layout_of_trace
 
         layout = layout_of_trace([layout_from], spec)
     # one unit per (model, layer, moe_tp_rank); +1 layer for a draft model

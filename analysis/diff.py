@@ -15,8 +15,8 @@ import pandas as pd
 
 from moetrace.analysis.coverage import Analysis
 from moetrace.analysis.expected import read_expected
-from moetrace.analysis.report import (IndexLayoutMismatch, check_index_layout, check_layout, matching_index,
-                                      resolve_index)
+from moetrace.analysis.index_choice import (IndexLayoutMismatch, check_index_fits, check_index_layout, choose_index,
+                                            matching_index)
 from moetrace.analysis.sentences import fmt_int, layer_text
 from moetrace.analysis.trace import TraceData, pair_to_hex, read_trace
 from moetrace.analysis.verdicts import MATCH, OUT_OF_SCOPE, STALE, VERDICTS, WRONG_RANK
@@ -85,10 +85,10 @@ def diff(run_a: Sequence[str] | str, run_b: Sequence[str] | str, index: str | No
     aa = ab = None
     index_path = None
     if index or checkpoint:
-        index_path, trace_layout = resolve_index(da, index, checkpoint)
+        index_path, trace_layout = choose_index(da, index, checkpoint)
         for d in (da, db):
             idx = read_expected(index_path, d.tensors, d.dtypes, models=d.models)
-            check_layout(d, idx)
+            check_index_fits(d, idx)
             try:
                 check_index_layout(d, idx, trace_layout if d is da else None)
             except IndexLayoutMismatch as err:  # the matching index of the checkpoint it records, as analyze does

@@ -1,4 +1,4 @@
-"""From the layout facts a trace recorded (hooks.layout) to the ServerLayout the
+"""From the layout facts a trace recorded (hooks.layout_facts) to the ServerLayout the
 expected side must reproduce, or a refusal naming the transform (LayoutRefused).
 
 docs/compat.md is the table these rules implement (tests/test_compat.py runs a row

@@ -135,7 +135,7 @@ class EmulatedFusedMoE(nn.Module):
         self.moe_ep_rank, self.moe_ep_size = 0, 1
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.weight_block_size = list(block)
-        # As SGLang's FusedMoE on the Triton runner says it (the trace records it: hooks.layout)
+        # As SGLang's FusedMoE on the Triton runner says it (the trace records it: hooks.layout_facts)
         self.use_flashinfer_trtllm_moe = self.use_triton_kernels = False
         shapes = {
             "w13_weight": ((num_experts, 2 * i_tp, hidden), torch.float8_e4m3fn),

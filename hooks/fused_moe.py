@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moetrace.hooks import weight_events
-from moetrace.hooks.layout import layout_facts
+from moetrace.hooks.layout_facts import layout_facts
 from moetrace.hooks.ranks import module_ranks
 from moetrace.hooks.registration import model_of
 from moetrace.hooks.slots import UNUSED, SlotMapError, read_slot_map

@@ -26,7 +26,7 @@ import sys
 import threading
 
 from moetrace.hooks.fused_moe import expert_tensors
-from moetrace.hooks.layout import kt_format, layout_facts
+from moetrace.hooks.layout_facts import kt_format, layout_facts
 from moetrace.hooks.ranks import module_ranks
 from moetrace.hooks.registration import model_of
 from moetrace.tracer.guard import GuardMismatch
@@ -41,7 +41,7 @@ KT_MODULES = (
     "sglang.srt.layers.moe.kt_ep_wrapper",
 )
 GPU_COPIED = -1
-# Staged formats whose tensors are not FP8/BF16 shards (hooks.layout.kt_format): skipped with a note.
+# Staged formats whose tensors are not FP8/BF16 shards (hooks.layout_facts.kt_format): skipped with a note.
 UNCAPTURED_KT_FORMATS = ("int4", "mxfp4", "mxfp8")
 
 _ATTACHED: dict[type, "KTLoadCapture"] = {}
@@ -65,7 +65,7 @@ STAGING = {"fp8_block": "all-staged", "fp8_channel": "all-staged", "bf16": "resi
 def staged_format(ctx, tensors: dict) -> str | None:
     """The expert format of a staged context: "fp8_block" | "fp8_channel" | "bf16" |
     "int4" | "mxfp4" | "mxfp8", None when unknown. The fork's own dispatch flags win
-    where present (hooks.layout.kt_format: MXFP4 and MXFP8 stage FP8-block tensor names
+    where present (hooks.layout_facts.kt_format: MXFP4 and MXFP8 stage FP8-block tensor names
     with other bytes, INT4 is load()'s fall-through); otherwise the tensor names."""
     fmt = kt_format(ctx)
     if fmt is not None:

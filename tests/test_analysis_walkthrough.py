@@ -202,7 +202,7 @@ def test_wrong_checkpoint_names_the_folder_and_fails_before_building_an_index(tw
 
 def test_index_from_checkpoint_that_disagrees_names_the_checkpoint(two_checkpoints, tmp_path, monkeypatch):
     """Should the early check be passed (e.g. a stale cache entry), the late check still names --checkpoint."""
-    from moetrace.analysis import report
+    from moetrace.analysis import index_choice as report
 
     traced, other, trace = two_checkpoints
     monkeypatch.setenv("MOETRACE_CACHE", str(tmp_path / "cache"))

@@ -1,4 +1,4 @@
-"""hooks.layout reads layout facts without ever raising into the server; the facts land
+"""hooks.layout_facts reads layout facts without ever raising into the server; the facts land
 in the rank manifest; checkpoints.layout_rules refuses what it cannot reproduce."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import nn
 
 from moetrace.checkpoints.layout import LayoutRefused, ServerLayout
 from moetrace.checkpoints.layout_rules import derive_layout
-from moetrace.hooks.layout import kt_format, layout_facts
+from moetrace.hooks.layout_facts import kt_format, layout_facts
 
 
 class Hostile(nn.Module):

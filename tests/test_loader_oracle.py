@@ -4,7 +4,7 @@ what upstream sglang 0.5.23's FusedMoE (and the sglang-kt fork's) loads on every
 The installed FusedMoE.weight_loader / _load_w13 / _load_w2 / scale paths and the quant
 methods' create_weights run on CPU (support.sglang_loader), fed by Qwen3.5's own
 load_weights (model.language_model rename, fused gate_up_proj split). The layout the
-expected side reproduces comes from moetrace's own facts and rules (hooks.layout ->
+expected side reproduces comes from moetrace's own facts and rules (hooks.layout_facts ->
 checkpoints.layout_rules.loaded_layout), so a wrong rule is caught too. Every
 difference is a moetrace bug.
 """
@@ -18,7 +18,7 @@ from moetrace.checkpoints.layout_rules import loaded_layout
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.checkpoints.shards import Parallel, expected_layer
 from moetrace.errors import MoetraceError
-from moetrace.hooks.layout import layout_facts
+from moetrace.hooks.layout_facts import layout_facts
 from support import sglang_loader as sl
 from support.sglang_source import fork_root, installed_root
 

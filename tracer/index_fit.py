@@ -49,7 +49,7 @@ def checkpoint_id_misfit(meta: dict, checkpoint_id: str | None) -> str | None:
 
 
 def layout_misfit(meta: dict, facts: dict | None, source: str) -> str | None:
-    """The layout a captured layer's facts (hooks.layout) give vs the one the index was
+    """The layout a captured layer's facts (hooks.layout_facts) give vs the one the index was
     built for; None when the facts are missing or too few to tell."""
     fmt, size, mtp = meta.get("format"), meta.get("intermediate_size"), meta.get("moe_tp_size") or 1
     if facts is None or fmt is None or not size:

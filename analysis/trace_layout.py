@@ -1,6 +1,6 @@
 """The server layout of a trace, from the layout facts its rank manifests recorded.
 
-Every captured (rank, source, layer) has facts (hooks.layout); each becomes a
+Every captured (rank, source, layer) has facts (hooks.layout_facts); each becomes a
 ServerLayout or a refusal (checkpoints.layout_rules). A trace is compared with one
 index, so all of them must agree. Facts of modules that are not SGLang's own (test
 stand-ins, moetrace's emulator) that lack SGLang's attributes are taken as the
