@@ -88,56 +88,15 @@ SEED = click.IntRange(-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed t
 
 
 def _writable_dir(path: str | None, option: str) -> None:
-    """Before any work: a folder option must be (or be creatable as) a folder we can write;
-    probed with a temp file in its nearest existing folder, nothing left behind."""
-    if not path:
-        return
-    import tempfile
+    from moetrace.outputs import check_writable_dir
 
-    from moetrace import storage
-
-    storage.check_output(path, option, kind="dir")
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    try:
-        if not os.path.isdir(probe):
-            raise NotADirectoryError(20, f"{probe} is not a directory")
-        fd, tmp = tempfile.mkstemp(prefix=".moetrace-probe-", dir=probe)
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as err:
-        raise MoetraceError(f"{option} {path}: cannot write there ({err.strerror or err})") from None
+    check_writable_dir(path, option)
 
 
 def _output_files(pairs: list[tuple[str, str | None]], probe: bool = True) -> None:
-    """Before any work: each given output file is a non-empty path, no two options name
-    the same file, and (probe) a local one's folder exists and takes a temp file (made
-    and removed: nothing is created). analyze/audit do not probe: a report that cannot
-    be written is their exit 3 after the verdict (docs/analysis.md)."""
-    import tempfile
+    from moetrace.outputs import check_output_files
 
-    from moetrace import storage
-
-    seen: dict[str, str] = {}
-    for option, path in pairs:
-        if path is None:
-            continue
-        if not str(path).strip():
-            raise MoetraceError(f"{option}: an empty path; give a file name")
-        local = storage.local_path(path)
-        key = os.path.realpath(local) if local is not None else str(path)
-        if key in seen:
-            raise MoetraceError(f"{option} {path}: {seen[key]} writes the same file; give each output its own path")
-        seen[key] = option
-        storage.check_output(path, option)
-        if probe and local is not None:
-            try:
-                fd, tmp = tempfile.mkstemp(prefix=".moetrace-probe-", dir=os.path.dirname(os.path.abspath(local)))
-                os.close(fd)
-                os.unlink(tmp)
-            except OSError as err:
-                raise MoetraceError(f"{option} {path}: cannot write ({err.strerror or err})") from None
+    check_output_files(pairs, probe)
 
 
 def _progress(as_json: bool):

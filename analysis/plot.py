@@ -10,7 +10,7 @@ from moetrace.analysis.report import Report
 from moetrace.analysis.verdicts import (
     CONSTANT, MATCH, MISSING, STALE, TORN, UNEXPECTED, UNKNOWN, WRONG_LAYER, WRONG_RANK, WRONG_TENSOR, ZEROS,
 )
-from moetrace import storage
+from moetrace import outputs
 from moetrace.errors import MoetraceError
 
 COLORS = {
@@ -80,7 +80,7 @@ def _pyplot(path: str):
 def _save(plt, fig, path: str, fmt: str) -> None:
     try:
         # complete or not at all: a full disk never leaves half a picture
-        storage.write_local(path, "--plot", lambda tmp: fig.savefig(tmp, format=fmt, dpi=110), wrap=False)
+        outputs.write_local(path, "--plot", lambda tmp: fig.savefig(tmp, format=fmt, dpi=110), wrap=False)
     except MoetraceError:
         raise
     except Exception as err:  # matplotlib or the filesystem (e.g. an unwritable folder): one line, naming the path

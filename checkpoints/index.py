@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from moetrace import storage
+from moetrace import outputs, storage
 from moetrace.checkpoints import index_checks
 from moetrace.errors import MoetraceError
 from moetrace.schema import INDEX_SCHEMA_VERSION
@@ -32,9 +32,9 @@ INDEX_META_KEY = b"moetrace.index"
 
 
 def write_index(table: pa.Table, path: str | os.PathLike, option: str = "-o") -> Path:
-    """Atomic write (storage.write_local): a temp file beside the target, renamed when
+    """Atomic write (outputs.write_local): a temp file beside the target, renamed when
     complete; a FIFO, device or link at the path is refused, never replaced."""
-    storage.write_local(os.fspath(path), option, lambda tmp: pq.write_table(table, tmp, compression="zstd"),
+    outputs.write_local(os.fspath(path), option, lambda tmp: pq.write_table(table, tmp, compression="zstd"),
                         make_parents=True)
     return Path(path)
 
@@ -112,5 +112,5 @@ def _first_line(err: BaseException) -> str:
 
 
 def copy_index(src: Path, dst: str | os.PathLike, option: str = "-o") -> Path:
-    storage.write_local(os.fspath(dst), option, lambda tmp: shutil.copyfile(src, tmp), make_parents=True)
+    outputs.write_local(os.fspath(dst), option, lambda tmp: shutil.copyfile(src, tmp), make_parents=True)
     return Path(dst)

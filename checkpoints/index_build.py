@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from moetrace import __version__
 from moetrace import fingerprint as fpdef
-from moetrace import storage
+from moetrace import outputs
 from moetrace.checkpoints import index_cache
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
@@ -305,7 +305,7 @@ def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size
     returns the summary the command prints."""
     t0 = time.perf_counter()
     stats = IndexStats()
-    storage.probe_output(os.fspath(output), "-o")  # before minutes of fingerprinting
+    outputs.probe_output(os.fspath(output), "-o")  # before minutes of fingerprinting
     if use_cache:
         cached, reused = cached_index(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats,
                                       moe_dp_size)

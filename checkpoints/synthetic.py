@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from moetrace.checkpoints.quant_config import QUANT_METHODS, scale_suffix
-from moetrace import storage
+from moetrace import outputs
 from moetrace.checkpoints.spec import FAMILIES, FORMATS, FUSED_NOT_MAPPED
 from moetrace.errors import MoetraceError
 
@@ -259,7 +259,7 @@ def write_synthetic_checkpoint(
                                            (num_layers, num_experts, hidden, intermediate, num_files), dense_layers,
                                            shared_expert, draft)
     out = Path(out_dir)
-    storage.check_output(str(out), "-o", kind="dir")
+    outputs.check_output(str(out), "-o", kind="dir")
     if out.exists() and any(out.iterdir()):
         raise MoetraceError(f"-o {out}: output path exists and is not an empty directory")
 
@@ -273,7 +273,7 @@ def write_synthetic_checkpoint(
 
     cfg = _config(family, fmt, num_layers, num_experts, hidden, intermediate, dense_layers,
                   None if fmt == "bf16" else (quant_method, block), seed)
-    with storage.new_local_dir(str(out), "-o") as tmp:  # whole or nothing: never a folder with only config.json
+    with outputs.new_local_dir(str(out), "-o") as tmp:  # whole or nothing: never a folder with only config.json
         _write_files(Path(tmp), cfg, w.tensors, num_files, save_file)
     return out
 

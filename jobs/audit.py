@@ -16,7 +16,7 @@ from moetrace.analysis.plot import plot as make_plot
 from moetrace.analysis.report import Report, analyze
 from moetrace.checkpoints.index import index_metadata
 from moetrace.checkpoints.reader import open_checkpoint
-from moetrace import storage
+from moetrace import outputs
 from moetrace.errors import ExitCode, MoetraceError
 from moetrace.jobs.progress import Progress
 from moetrace.jobs.traffic import Traffic, launch_and_drive
@@ -45,16 +45,16 @@ class ReportFiles:
             if missing:
                 raise MoetraceError(f"--plot {self.plot}: {missing}; or drop --plot")
         for option, path in self.options():
-            storage.check_output(path, option)
+            outputs.check_output(path, option)
 
     def write_unusable(self, message: str) -> list[str]:
         """Reports for a trace that could not be analyzed at all (the plot: the reason in
         words); returns the errors of those that could not be written (the one-line error
         about the trace comes first). All or none, as write()."""
         return self._write_all([
-            ("--json-out", self.json_out, "json", lambda p: storage.write_local_text(p, "--json-out", render.unusable_json(message))),
-            ("--markdown", self.markdown, "markdown", lambda p: storage.write_local_text(p, "--markdown", render.unusable_markdown(message))),
-            ("--junit", self.junit, "junit", lambda p: storage.write_local_text(p, "--junit", render.unusable_junit(message))),
+            ("--json-out", self.json_out, "json", lambda p: outputs.write_local_text(p, "--json-out", render.unusable_json(message))),
+            ("--markdown", self.markdown, "markdown", lambda p: outputs.write_local_text(p, "--markdown", render.unusable_markdown(message))),
+            ("--junit", self.junit, "junit", lambda p: outputs.write_local_text(p, "--junit", render.unusable_junit(message))),
             ("--plot", self.plot, "plot", lambda p: plot_unusable(message, p)),
         ])[1]
 
@@ -64,9 +64,9 @@ class ReportFiles:
         so no report at those paths (this run's or an earlier run's) survives to be taken
         for this run's verdict."""
         return self._write_all([
-            ("--json-out", self.json_out, "json", lambda p: storage.write_local_text(p, "--json-out", render.to_json(rep))),
-            ("--markdown", self.markdown, "markdown", lambda p: storage.write_local_text(p, "--markdown", render.to_markdown(rep))),
-            ("--junit", self.junit, "junit", lambda p: storage.write_local_text(p, "--junit", render.to_junit(rep))),
+            ("--json-out", self.json_out, "json", lambda p: outputs.write_local_text(p, "--json-out", render.to_json(rep))),
+            ("--markdown", self.markdown, "markdown", lambda p: outputs.write_local_text(p, "--markdown", render.to_markdown(rep))),
+            ("--junit", self.junit, "junit", lambda p: outputs.write_local_text(p, "--junit", render.to_junit(rep))),
             ("--plot", self.plot, "plot", lambda p: make_plot(rep, p)),
         ])
 
@@ -82,7 +82,7 @@ class ReportFiles:
                 failed.append(str(err))
         if failed:
             for option, path, _, _ in items:
-                local = storage.local_path(path)
+                local = outputs.local_path(path)
                 if local is not None and os.path.isfile(local) and not os.path.islink(local):
                     with contextlib.suppress(OSError):
                         os.unlink(local)
@@ -201,11 +201,11 @@ def _hand_index(config: dict, index: str) -> None:
     """--index is the one index of the audit: the hooks that verify in the server (the
     guard, chunk_digests=mismatch, dumps) get it too, unless the hook config names the
     same file; a different one is refused (two indexes would judge one run twice)."""
-    local = storage.local_path(index)
+    local = outputs.local_path(index)
     path = os.path.abspath(local) if local is not None else index  # the server may run elsewhere
     given = config.get("index")
     if given is not None:
-        given_local = storage.local_path(str(given))
+        given_local = outputs.local_path(str(given))
         same = (os.path.abspath(given_local) == path) if given_local is not None and local is not None else given == index
         if not same:
             raise MoetraceError(f"audit --launch: --hook-config names index {given} but --index is {index}: one index "

@@ -452,7 +452,7 @@ def result_lines(doc: dict) -> list[str]:
 def write_doc(json_out: str | None, doc: dict, exit_code: int, echo: Callable[[str], None]) -> int:
     """Write --json-out whole or not at all; a report that cannot be written turns a pass
     into 3 and leaves another exit code as it was (the line says why)."""
-    from moetrace.storage import write_local_text
+    from moetrace.outputs import write_local_text
 
     if not json_out:
         return exit_code
@@ -468,7 +468,7 @@ def conform_main(case: Case, tp: int, workdir: str | None, json_out: str | None,
                  echo: Callable[[str], None] = print) -> int:
     """The command's body: check --json-out, run, print, write --json-out (for every
     exit code), return the exit code; exit 2 ends with the one-line error."""
-    from moetrace.storage import probe_output
+    from moetrace.outputs import probe_output
 
     if json_out:
         probe_output(json_out, "--json-out")

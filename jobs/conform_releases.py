@@ -64,7 +64,7 @@ def releases_main(spec: str, formats: Sequence[str] | None, tp: int, experts: in
                   cache: str | None, json_out: str | None, echo: Callable[[str], None] = print) -> int:
     from moetrace import __version__
     from moetrace.conform import releases
-    from moetrace.storage import probe_output
+    from moetrace.outputs import probe_output
 
     if json_out:
         probe_output(json_out, "--json-out")

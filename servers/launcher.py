@@ -40,7 +40,7 @@ from moetrace.servers.command import (FLAG_CHOICES, LEGACY_CUDA_GRAPH_FLAGS, MOD
 from moetrace.servers.process_group import ServerGroup
 from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec, index_fits
 from moetrace.tracer.config import check_metrics_ports
-from moetrace import storage
+from moetrace import outputs, storage
 from moetrace.tracer.claim import read_refusals
 from moetrace.tracer.completeness import run_problems
 from moetrace.tracer.manifest import (
@@ -175,7 +175,7 @@ class Launcher:
         """A run id names one launch: an existing run folder is refused (its trace would
         pass for this run's), or with ``replace`` deleted first; then _run.json is written."""
         out = self.config["out"]
-        storage.check_output(out, "--out", kind="dir")
+        outputs.check_output(out, "--out", kind="dir")
         try:
             used = bool(storage.list_dir(self.fs, self.run_dir))
             if used and not self.replace:
