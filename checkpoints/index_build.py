@@ -29,7 +29,8 @@ from moetrace import outputs
 from moetrace.checkpoints import index_cache
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
-from moetrace.checkpoints.reader import Checkpoint, ColumnCuts, draft_checkpoint, open_checkpoint
+from moetrace.checkpoints.reader import Checkpoint, as_slice, draft_checkpoint, open_checkpoint
+from moetrace.checkpoints.safetensors_file import host_copy
 from moetrace.checkpoints.spec import MoESpec
 from moetrace.errors import MoetraceError
 from moetrace.schema import INDEX_SCHEMA, INDEX_SCHEMA_VERSION, copy_position, dtype_name, format_ids
@@ -75,6 +76,33 @@ def _add_rows(cols: dict[str, list], name: str, stacked: torch.Tensor, prints, f
         stats.bytes_fingerprinted += f.nbytes
 
 
+class ColumnCuts:
+    """A Checkpoint whose column reads (a rank's columns of whole rows: w2 at moe_tp_size > 1)
+    keep the rows they read until clear(), so the cuts of every moe_tp_rank from one block of
+    experts read the file once; every other read goes straight to the checkpoint. Same bytes
+    as Checkpoint.read. One per thread."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self._rows: dict[tuple[str, str], torch.Tensor] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.ckpt, name)
+
+    def read(self, name: str, rows=None, cols=None, into: torch.Tensor | None = None) -> torch.Tensor:
+        if cols is None:
+            return self.ckpt.read(name, rows, into=into)
+        key = (name, repr(rows))
+        whole = self._rows.get(key)
+        if whole is None:
+            whole = self._rows[key] = self.ckpt.read(name, rows)
+        t = self.ckpt.info(name)
+        return host_copy(whole[..., as_slice(cols, t.shape[-1], name, t.file)], into)
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+
 _BLOCK_BYTES = 64 << 20  # expert bytes read and fingerprinted at a time: reused, never faulted in again
 _BUFFERS = threading.local()  # per worker thread: the last block, refilled by the next one
 
@@ -111,7 +139,7 @@ def _block_rows(ckpt: Checkpoint, model: str, par: Parallel, layer: int, experts
                 stats: IndexStats) -> dict[str, list]:
     """The rows of one block of experts of one (model, layer), every moe_tp_rank: a work
     unit small enough that both cores stay busy on one layer (one reads while the other
-    hashes), and a column cut (w2) reads its rows once for all ranks (reader.ColumnCuts)."""
+    hashes), and a column cut (w2) reads its rows once for all ranks (ColumnCuts)."""
     from moetrace.checkpoints.shards import expected_experts
 
     reads = getattr(_BUFFERS, "reads", None)

@@ -23,16 +23,15 @@ from safetensors import safe_open
 
 from moetrace.checkpoints.extra import DRAFT_PREFIX, draft_spec, shared_expert_count
 from moetrace.checkpoints.safetensors_file import DTYPE_BYTES, TensorInfo, host_copy, read_header, torch_dtypes
-from moetrace.checkpoints.spec import MoESpec, expert_tensor_name, fused_tensor_name, is_ignored, spec_from_config
+from moetrace.checkpoints.spec import (MoESpec, check_expert_coverage, expected_header, expert_tensor_pattern,
+                                      is_ignored, spec_from_config)
 from moetrace.errors import MoetraceError
-from moetrace.schema import format_ids
 
 if TYPE_CHECKING:  # torch loads when tensors are read: headers, identities and specs need none
     import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
 def _read_json(path: Path, what: str) -> tuple[dict, bytes]:
@@ -51,7 +50,7 @@ def _read_json(path: Path, what: str) -> tuple[dict, bytes]:
     return data, raw
 
 
-def _as_slice(r, dim: int, name: str, file: Path) -> slice:
+def as_slice(r, dim: int, name: str, file: Path) -> slice:
     """(a, b) or slice(a, b) -> checked slice; safetensors would clamp or raise."""
     if isinstance(r, slice):
         if r.step not in (None, 1):
@@ -80,12 +79,7 @@ class Checkpoint:
         self._fds: dict[Path, int] = {}  # one read-only descriptor per file for pread
         self._checked: set[str] = set()
         self._identity: str | None = None
-        # Per-expert weight/scale of this format, or a fused 3-D expert tensor.
-        kinds = f"weight|{spec.scale_suffix}" if spec.scale_suffix else "weight"
-        self._expert_re = re.compile(
-            rf"^{re.escape(spec.prefix)}\.layers\.\d+\.mlp\.(?:experts\.|shared_experts?\.)"
-            rf"(?:(?:\d+\.)?(gate|up|down)_proj\.({kinds})|(gate_up|down)_proj(_scale_inv|_scale)?)$"
-        )
+        self._expert_re = expert_tensor_pattern(spec)
 
     # -- metadata ---------------------------------------------------------------
     def info(self, name: str) -> TensorInfo:
@@ -112,46 +106,12 @@ class Checkpoint:
         return self._identity
 
     # -- validation -------------------------------------------------------------
-    def _expected(self, name: str) -> tuple[tuple[str, ...], list[tuple[int, ...]], str] | None:
-        """(allowed dtypes, allowed shapes, why) for an expert tensor; None otherwise."""
-        m = self._expert_re.match(name)
-        if not m:
-            return None
-        s = self.spec
-        H, I, E = s.hidden_size, s.intermediate_size, s.num_experts
-        sizes = f"hidden_size {H}, moe_intermediate_size {I}"
-        weight_dtype = ("F8_E4M3",) if s.fmt.startswith("fp8") else ("BF16",)
-        proj, kind, fused, fused_scale = m.groups()
-        if fused:
-            out, inp = (2 * I, H) if fused == "gate_up" else (H, I)
-            if not fused_scale:
-                return weight_dtype, [(E, out, inp)], f"num_experts {E}, {sizes}"
-            if s.fmt != "fp8_block":
-                return None  # refused with the spec (spec._verify_fused)
-            bn, bk = s.block
-            # gate and up each in whole block_n blocks, stacked (SGLang splits with chunk(2, dim=-2))
-            rows = 2 * -(-I // bn) if fused == "gate_up" else -(-H // bn)
-            return SCALE_DTYPES, [(E, rows, -(-inp // bk))], f"num_experts {E}, weight [{E}, {out}, {inp}] in blocks {list(s.block)}"
-        out, inp = (H, I) if proj == "down" else (I, H)
-        if kind == "weight":
-            return weight_dtype, [(out, inp)], sizes
-        if s.fmt == "fp8_block":
-            bn, bk = s.block
-            return SCALE_DTYPES, [(-(-out // bn), -(-inp // bk))], f"weight [{out}, {inp}] in blocks {list(s.block)}"
-        if s.fmt == "fp8_tensor":
-            why = f"one scale for weight [{out}, {inp}]"
-            if s.quant_method == "fp8":  # the old moetrace fp8_channel checkpoints land here
-                why += ("; fp8 without weight_block_size is per-tensor in SGLang, per-channel FP8 checkpoints are "
-                        "compressed-tensors with strategy channel")
-            return SCALE_DTYPES, [(), (1,)], why
-        return SCALE_DTYPES, [(out, 1), (out,)], f"one scale per output channel of weight [{out}, {inp}]"
-
     def check(self, name: str) -> TensorInfo:
         """Check an expert tensor's header dtype and shape against the spec (cached)."""
         t = self.info(name)
         if name in self._checked:
             return t
-        want = self._expected(name)
+        want = expected_header(self.spec, name, self._expert_re)
         if want is not None:
             dtypes, shapes, why = want
             if t.dtype not in dtypes or t.shape not in shapes:
@@ -182,7 +142,7 @@ class Checkpoint:
         simple_rows = rows is None or not (isinstance(rows, tuple) and rows and not isinstance(rows[0], int))
         if (into is not None and cols is None and simple_rows and t.dtype in torch_dtypes()
                 and into.dtype == torch_dtypes()[t.dtype] and into.is_contiguous()):
-            return self._pread_rows(t, None if rows is None else _as_slice(rows, t.shape[0], name, t.file), into)
+            return self._pread_rows(t, None if rows is None else as_slice(rows, t.shape[0], name, t.file), into)
         out = self._read(t, name, rows, cols, into)
         return out if into is None or out is into else host_copy(out, into)
 
@@ -196,21 +156,21 @@ class Checkpoint:
         try:
             simple_rows = rows is None or not (isinstance(rows, tuple) and rows and not isinstance(rows[0], int))
             if simple_rows and t.dtype in torch_dtypes():
-                out = self._pread_rows(t, None if rows is None else _as_slice(rows, t.shape[0], name, t.file))
+                out = self._pread_rows(t, None if rows is None else as_slice(rows, t.shape[0], name, t.file))
             elif rows is None:
                 out = handle.get_tensor(name)
             else:
                 lead = rows if isinstance(rows, tuple) and rows and not isinstance(rows[0], int) else (rows,)
                 if len(lead) > len(t.shape):
                     raise MoetraceError(f"{name} in {t.file.name}: {len(lead)} row ranges for a {len(t.shape)}-D tensor")
-                index = tuple(_as_slice(r, d, name, t.file) for r, d in zip(lead, t.shape))
+                index = tuple(as_slice(r, d, name, t.file) for r, d in zip(lead, t.shape))
                 out = handle.get_slice(name)[index]
         except MoetraceError:
             raise
         except Exception as err:
             raise MoetraceError(f"{name} in {t.file}: read failed ({err})") from None
         if cols is not None:
-            c = _as_slice(cols, t.shape[-1], name, t.file)
+            c = as_slice(cols, t.shape[-1], name, t.file)
             out = host_copy(out[..., c], into)
         return out
 
@@ -259,33 +219,6 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.path)!r}, {self.spec.arch}, {self.spec.fmt}, id={self.identity})"
-
-
-class ColumnCuts:
-    """A Checkpoint whose column reads (a rank's columns of whole rows: w2 at moe_tp_size > 1)
-    keep the rows they read until clear(), so the cuts of every moe_tp_rank from one block of
-    experts read the file once; every other read goes straight to the checkpoint. Same bytes
-    as Checkpoint.read. One per thread."""
-
-    def __init__(self, ckpt: Checkpoint):
-        self.ckpt = ckpt
-        self._rows: dict[tuple[str, str], torch.Tensor] = {}
-
-    def __getattr__(self, name: str):
-        return getattr(self.ckpt, name)
-
-    def read(self, name: str, rows=None, cols=None, into: torch.Tensor | None = None) -> torch.Tensor:
-        if cols is None:
-            return self.ckpt.read(name, rows, into=into)
-        key = (name, repr(rows))
-        whole = self._rows.get(key)
-        if whole is None:
-            whole = self._rows[key] = self.ckpt.read(name, rows)
-        t = self.ckpt.info(name)
-        return host_copy(whole[..., _as_slice(cols, t.shape[-1], name, t.file)], into)
-
-    def clear(self) -> None:
-        self._rows.clear()
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -337,7 +270,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             break
 
     spec = spec_from_config(config, root / "config.json", {n: t.dtype for n, t in tensors.items()})
-    _check_expert_coverage(spec, tensors, root)
+    check_expert_coverage(spec, tensors, root)
     spec = replace(spec, shared_experts=shared_expert_count(spec, tensors))
     ckpt = Checkpoint(root, config, config_bytes, spec, tensors, draft_tensors)
     ckpt.draft_problem = draft_problem
@@ -369,46 +302,6 @@ def _unambiguous_headers(root: Path, files: list[str], source: str) -> dict[str,
     return headers
 
 
-def _check_expert_coverage(spec: MoESpec, tensors: dict[str, TensorInfo], root: Path) -> None:
-    """Every MoE layer has every expert tensor, and no layer the config calls
-    dense (or no expert id past num_experts) has any: either means the config and
-    the weights disagree, and every expected shard downstream would be wrong."""
-    missing = []
-    for layer in spec.moe_layers:
-        if spec.fused_experts:
-            kinds = ("weight",) if spec.scale_suffix is None else ("weight", "scale")
-            names = [fused_tensor_name(spec, layer, w, k) for w in ("gate_up", "down") for k in kinds]
-        else:
-            kinds = ("weight",) if spec.scale_suffix is None else ("weight", "scale")
-            names = [
-                expert_tensor_name(spec, layer, e, p, k)
-                for e in range(spec.num_experts)
-                for p in ("gate", "up", "down")
-                for k in kinds
-            ]
-        missing += [n for n in names if n not in tensors]
-    if missing:
-        raise MoetraceError(
-            f"{root}: {len(missing)} expert tensor(s) expected from config.json are not in the checkpoint, "
-            f"first: {missing[0]}"
-        )
-    pat = re.compile(rf"^{re.escape(spec.prefix)}\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.|gate_up_proj|down_proj)")
-    moe = set(spec.moe_layers)
-    for name in tensors:
-        m = pat.match(name)
-        if not m:
-            continue
-        layer, expert = int(m.group(1)), m.group(2)
-        # Layers at index >= num_layers are extra heads (DeepSeek's MTP layer 61).
-        if layer < spec.num_layers and layer not in moe:
-            raise MoetraceError(
-                f"{name}: config.json makes layer {layer} dense (MoE layers: {format_ids(spec.moe_layers)}) "
-                "but the checkpoint has experts there"
-            )
-        if layer in moe and expert is not None and int(expert) >= spec.num_experts:
-            raise MoetraceError(f"{name}: expert id past config.json's {spec.num_experts} routed experts")
-
-
 def draft_checkpoint(ckpt):
     """(a Checkpoint over the draft model's tensors, "") or (None, why not). Its shards
     are read and checked exactly like the target's (same files, prefix ``mtp``)."""
@@ -419,7 +312,7 @@ def draft_checkpoint(ckpt):
         return None, why
     draft = Checkpoint(ckpt.path, ckpt.config, ckpt._config_bytes, spec, dict(ckpt.draft_tensors))
     try:
-        _check_expert_coverage(spec, draft.tensors, ckpt.path)
+        check_expert_coverage(spec, draft.tensors, ckpt.path)
         for name in draft.tensors:
             draft.check(name)
     except MoetraceError as err:

@@ -50,6 +50,12 @@ class Parallel:
         return self.layout.up_first
 
 
+def check_split(tp_size: int, ep_size: int = 1, moe_dp_size: int = 1) -> None:
+    """The server's --tp must split into --ep x --moe-dp groups (moe_tp = tp / ep / moe_dp)."""
+    if tp_size % (ep_size * moe_dp_size):
+        raise MoetraceError(f"--tp {tp_size} is not divisible by --ep {ep_size} x --moe-dp {moe_dp_size}")
+
+
 def _per_rank(spec: MoESpec, par: Parallel) -> int:
     """I per rank as the layer holds it (padded when the layout says so)."""
     return par.layout.intermediate_padded or spec.intermediate_size // par.moe_tp_size

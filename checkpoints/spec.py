@@ -15,7 +15,7 @@ from pathlib import Path
 from moetrace.checkpoints.model_config import ALIASES, MODEL_TYPES, decoder_json, read_decoder_config
 from moetrace.checkpoints.quant_config import quant_format, scale_suffix
 from moetrace.errors import MoetraceError
-from moetrace.schema import MAX_ID
+from moetrace.schema import MAX_ID, format_ids
 
 # architectures[0] -> (family, tensor-name prefix of the decoder layers)
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -31,6 +31,7 @@ PROJS = ("gate", "up", "down")
 # Tensor-name prefixes that look like experts but are not routed decoder experts:
 # Qwen3.5's multi-token-prediction head and vision tower.
 IGNORED_PREFIXES = ("mtp.", "model.visual.")
+SCALE_DTYPES = ("F32", "BF16", "F16")  # the header dtypes a scale may be stored in
 
 
 @dataclass(frozen=True)
@@ -286,3 +287,92 @@ def _verify_fused(spec: MoESpec, tensors: Mapping[str, str], fused: str, where: 
         raise MoetraceError(f"{where}: format {spec.fmt} needs {want} expert weights but {fused} is {tensors[fused]}")
     scale_dtype = _DTYPE_NAMES.get(tensors[mapped], tensors[mapped]) if spec.fmt != "bf16" else None
     return replace(spec, fused_experts=True, scale_dtype=scale_dtype)
+
+
+# ---------------------------------------------------------------- the tensors' headers
+
+
+def expert_tensor_pattern(spec: MoESpec) -> re.Pattern:
+    """A per-expert weight or scale of the spec's format, or a fused 3-D expert tensor
+    (groups: projection, kind; fused projection, fused scale suffix)."""
+    kinds = f"weight|{spec.scale_suffix}" if spec.scale_suffix else "weight"
+    return re.compile(
+        rf"^{re.escape(spec.prefix)}\.layers\.\d+\.mlp\.(?:experts\.|shared_experts?\.)"
+        rf"(?:(?:\d+\.)?(gate|up|down)_proj\.({kinds})|(gate_up|down)_proj(_scale_inv|_scale)?)$"
+    )
+
+
+def expected_header(s: MoESpec, name: str, pattern: re.Pattern | None = None
+                    ) -> tuple[tuple[str, ...], list[tuple[int, ...]], str] | None:
+    """(allowed dtypes, allowed shapes, why) of an expert tensor's header, from config.json;
+    None for a tensor that is not an expert's. ``pattern``: expert_tensor_pattern(s), reused."""
+    m = (pattern or expert_tensor_pattern(s)).match(name)
+    if not m:
+        return None
+    H, I, E = s.hidden_size, s.intermediate_size, s.num_experts
+    sizes = f"hidden_size {H}, moe_intermediate_size {I}"
+    weight_dtype = ("F8_E4M3",) if s.fmt.startswith("fp8") else ("BF16",)
+    proj, kind, fused, fused_scale = m.groups()
+    if fused:
+        out, inp = (2 * I, H) if fused == "gate_up" else (H, I)
+        if not fused_scale:
+            return weight_dtype, [(E, out, inp)], f"num_experts {E}, {sizes}"
+        if s.fmt != "fp8_block":
+            return None  # refused with the spec (spec._verify_fused)
+        bn, bk = s.block
+        # gate and up each in whole block_n blocks, stacked (SGLang splits with chunk(2, dim=-2))
+        rows = 2 * -(-I // bn) if fused == "gate_up" else -(-H // bn)
+        return SCALE_DTYPES, [(E, rows, -(-inp // bk))], f"num_experts {E}, weight [{E}, {out}, {inp}] in blocks {list(s.block)}"
+    out, inp = (H, I) if proj == "down" else (I, H)
+    if kind == "weight":
+        return weight_dtype, [(out, inp)], sizes
+    if s.fmt == "fp8_block":
+        bn, bk = s.block
+        return SCALE_DTYPES, [(-(-out // bn), -(-inp // bk))], f"weight [{out}, {inp}] in blocks {list(s.block)}"
+    if s.fmt == "fp8_tensor":
+        why = f"one scale for weight [{out}, {inp}]"
+        if s.quant_method == "fp8":  # the old moetrace fp8_channel checkpoints land here
+            why += ("; fp8 without weight_block_size is per-tensor in SGLang, per-channel FP8 checkpoints are "
+                    "compressed-tensors with strategy channel")
+        return SCALE_DTYPES, [(), (1,)], why
+    return SCALE_DTYPES, [(out, 1), (out,)], f"one scale per output channel of weight [{out}, {inp}]"
+
+
+def check_expert_coverage(spec: MoESpec, tensors: Mapping, root: Path) -> None:
+    """Every MoE layer has every expert tensor, and no layer the config calls
+    dense (or no expert id past num_experts) has any: either means the config and
+    the weights disagree, and every expected shard downstream would be wrong."""
+    missing = []
+    for layer in spec.moe_layers:
+        if spec.fused_experts:
+            kinds = ("weight",) if spec.scale_suffix is None else ("weight", "scale")
+            names = [fused_tensor_name(spec, layer, w, k) for w in ("gate_up", "down") for k in kinds]
+        else:
+            kinds = ("weight",) if spec.scale_suffix is None else ("weight", "scale")
+            names = [
+                expert_tensor_name(spec, layer, e, p, k)
+                for e in range(spec.num_experts)
+                for p in ("gate", "up", "down")
+                for k in kinds
+            ]
+        missing += [n for n in names if n not in tensors]
+    if missing:
+        raise MoetraceError(
+            f"{root}: {len(missing)} expert tensor(s) expected from config.json are not in the checkpoint, "
+            f"first: {missing[0]}"
+        )
+    pat = re.compile(rf"^{re.escape(spec.prefix)}\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.|gate_up_proj|down_proj)")
+    moe = set(spec.moe_layers)
+    for name in tensors:
+        m = pat.match(name)
+        if not m:
+            continue
+        layer, expert = int(m.group(1)), m.group(2)
+        # Layers at index >= num_layers are extra heads (DeepSeek's MTP layer 61).
+        if layer < spec.num_layers and layer not in moe:
+            raise MoetraceError(
+                f"{name}: config.json makes layer {layer} dense (MoE layers: {format_ids(spec.moe_layers)}) "
+                "but the checkpoint has experts there"
+            )
+        if layer in moe and expert is not None and int(expert) >= spec.num_experts:
+            raise MoetraceError(f"{name}: expert id past config.json's {spec.num_experts} routed experts")

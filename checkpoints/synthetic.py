@@ -10,6 +10,7 @@ be recognized by recomputing candidates (expert E+2, another layer, ...).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -183,6 +184,32 @@ def _config(
     # that Checkpoint.identity (config bytes + headers) differs between seeds.
     cfg["moetrace_synthetic"] = {"seed": seed, "values": "moetrace.checkpoints.synthetic.synthetic_values"}
     return cfg
+
+
+def parse_block(text: str) -> int | tuple[int, int]:
+    """make-checkpoint's --block: N (N x N) or N,K (block_n over output rows, block_k over
+    input columns); their sizes are checked with the other arguments."""
+    try:
+        sizes = tuple(int(b) for b in str(text).split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) not in (1, 2):
+        raise MoetraceError(f"--block {text!r}: expected N or N,K (positive integers)")
+    return sizes if len(sizes) == 2 else sizes[0]
+
+
+def check_fits_in_memory(moe_layers: int, experts: int, hidden: int, intermediate: int, itemsize: int) -> None:
+    """Every tensor is held in memory before writing: refuse sizes past half of the
+    machine's memory, in one line, before allocating any."""
+    need = max(moe_layers, 1) * (experts + 1) * 3 * hidden * intermediate * itemsize
+    try:
+        available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return
+    if need > available // 2:
+        raise MoetraceError(f"make-checkpoint: --layers/--experts/--hidden/--intermediate need about "
+                            f"{need / 2**30:,.1f} GiB of expert weights in memory, more than half of this "
+                            f"machine's {available / 2**30:,.1f} GiB; give smaller sizes")
 
 
 def _check_arguments(family, fmt, quant_method, block, scale_dtype, fused, sizes, dense_layers,
