@@ -12,11 +12,8 @@ and ``Count`` (an integer >= 0, never a bool), joined by ``|``.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
-import inspect
-import textwrap
 
 from moetrace.errors import MoetraceError
 
@@ -40,6 +37,10 @@ _NAMES = {"str": "str", "int": "int", "Count": "count", "bool": "bool", "list": 
 def field_docs(cls: type) -> dict[str, str]:
     """{field name: its docstring, white space folded} of a dataclass, read from its source
     (a field without one maps to "")."""
+    import ast  # here: the command line builds its options without reading any source
+    import inspect
+    import textwrap
+
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):  # no source (a frozen build): help and tables go without

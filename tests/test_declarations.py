@@ -71,3 +71,36 @@ def test_the_json_types_come_from_the_annotations():
 
     with pytest.raises(MoetraceError, match=r"doc: 'n' is an int \(-1\), expected count"):
         check_fields({"n": -1}, Doc, "doc")
+
+
+def test_the_capture_options_are_the_declaration():
+    """hook-spec and launch take every declared capture option, its docstring as its help;
+    audit --launch's --out and --run-id are the same options with its own defaults."""
+    from moetrace.cli import main
+    from moetrace.tracer.capture_options import CaptureOptions
+
+    import click
+
+    docs = field_docs(CaptureOptions)
+    assert all(docs.values()), [k for k, v in docs.items() if not v]
+    for name in ("hook-spec", "launch"):
+        ctx = click.Context(main.commands[name])
+        params = {p.name: p for p in main.commands[name].params}
+        for field_name, doc in docs.items():
+            assert field_name in params, f"moetrace {name}: no option for {field_name}"
+            record = params[field_name].get_help_record(ctx)
+            assert " ".join(doc.split()) in " ".join(record[1].split()), (name, field_name)
+    audit = {p.name: p for p in main.commands["audit"].params}
+    assert audit["out"].opts == ["-o", "--out"] and audit["out"].default == "moetrace-traces"
+    assert audit["run_id"].default is None
+
+
+def test_the_config_file_yields_to_the_options_given(tmp_path):
+    from moetrace.tracer.capture_options import CaptureOptions
+
+    path = tmp_path / "c.json"
+    path.write_text('{"layers": "0", "queue_size": 8, "kt": true}')
+    config, targets = CaptureOptions(out="o", layers="1-2", kt="off", config_file=str(path),
+                                     targets=("x.*",)).to_config()
+    assert config == {"layers": "1-2", "queue_size": 8, "kt": False, "out": "o"} and targets == ("x.*",)
+    assert CaptureOptions(out="o").to_config() == ({"out": "o"}, ())

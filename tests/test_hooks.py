@@ -457,7 +457,8 @@ def test_every_capture_option_reaches_the_hook_config(small_index, tmp_path):
     says (config keys: docs/capture.md); a renamed config key cannot leave a dead option."""
     from click.testing import CliRunner
 
-    from moetrace.cli import hook_spec_cmd, main
+    from moetrace.cli import main
+    from moetrace.commands.hook_spec import hook_spec_cmd
 
     from moetrace.checkpoints.index import index_metadata
 

@@ -22,7 +22,8 @@ ALLOWED = {
     "conform": {"checkpoints", "tracer", "hooks"},
     "emulator": {"checkpoints", "tracer", "hooks", "conform"},
     "jobs": {"checkpoints", "tracer", "hooks", "servers", "analysis", "conform", "emulator"},
-    "cli": {"checkpoints", "tracer", "hooks", "servers", "analysis", "conform", "emulator", "jobs"},
+    "commands": {"checkpoints", "tracer", "hooks", "servers", "analysis", "conform", "emulator", "jobs"},
+    "cli": {"checkpoints", "tracer", "hooks", "servers", "analysis", "conform", "emulator", "jobs", "commands"},
 }
 SCAFFOLDING = {"tests", "bench", "docs", "build", ".venv", ".git"}
 
@@ -102,6 +103,7 @@ def test_the_checker_sees_what_it_must():
     assert allowed(["hooks", "kt"], ["tracer", "capture"]) and allowed(["cli"], ["jobs", "demo"])
     assert allowed(["emulator", "staging"], ["conform", "writer"]) and not allowed(["conform", "rank"], ["emulator", "x"])
     assert not allowed(["hooks", "kt"], ["servers", "launcher"]) and allowed(["jobs", "traffic"], ["servers", "launcher"])
+    assert allowed(["cli"], ["commands", "index"]) and not allowed(["jobs", "audit"], ["commands", "options"])
     assert {layer_of(module_name(p)) for p in package_modules()} >= {"bottom", "checkpoints", "tracer", "hooks",
                                                                      "servers", "analysis", "conform", "emulator",
-                                                                     "jobs", "cli"}
+                                                                     "jobs", "commands", "cli"}

@@ -15,12 +15,10 @@ from dataclasses import asdict, dataclass, field, fields
 
 from moetrace.errors import MoetraceError
 from moetrace.storage import finite_seconds
+from moetrace.tracer.capture_options import CHUNK_DIGEST_MODES, GUARD_ACTIONS, GUARD_ROWS
 from moetrace.tracer.sampling import Sampling
 
-CHUNK_DIGEST_MODES = ("all", "mismatch", "none")
 KT_MODES = ("auto", True, False)
-GUARD_ACTIONS = ("record", "alert", "fail-closed")  # what the guard does on a mismatch (docs/guard.md)
-GUARD_ROWS = ("mismatch", "all")  # which guarded rows reach the trace
 _SAMPLING_KEYS = ("layers", "experts", "tensors", "sources", "every_n_steps", "first_n_steps")
 
 
