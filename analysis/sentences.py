@@ -210,3 +210,16 @@ def load_label(run_id: str, rank, layer: int, step, source: str, multi_source: b
     if multi_run:
         s = f"{run_id}: " + s
     return s
+
+
+def guard_sentence(records: dict[str, dict]) -> str:
+    """The in-server guard's records ({rank: manifest guard section}) in one sentence."""
+    parts = []
+    for rank, g in sorted(records.items()):
+        t, loads = g.get("tensors") or {}, g.get("loads") or {}
+        checked, n, total = t.get("match", 0) + t.get("mismatch", 0), loads.get("mismatch", 0), sum(loads.values())
+        cov = ", ".join(f"{k} {v:.0%}" for k, v in sorted((g.get("coverage") or {}).items())) or "none"
+        # loads as the record counts them: mismatching loads of all loads verified
+        parts.append(f"rank {rank} {g.get('status')}: {t.get('mismatch', 0):,}/{checked:,} tensors mismatched, "
+                     f"{n:,}/{total:,} load{'' if total == 1 else 's'} mismatched, coverage {cov}")
+    return "; ".join(parts) or "no guard record"

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from moetrace.errors import ExitCode
-from moetrace.jobs.conform import FORMATS, Case, result_doc, run_conform, write_doc
+from moetrace.jobs.conform import result_doc, run_conform, write_doc
+from moetrace.jobs.conform_plan import FORMATS, Case
 
 RELEASES_SCHEMA, RELEASES_SCHEMA_VERSION = "moetrace.conform.releases", 1
 

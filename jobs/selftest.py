@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from moetrace.errors import ExitCode
-from moetrace.jobs import demo
+from moetrace.jobs import pair
 from moetrace.jobs.progress import Progress
 from moetrace.jobs.timing import best_of
 from moetrace import fingerprint as F
@@ -239,7 +239,7 @@ def _capture_cost(dev: torch.device, quick: bool, sync) -> dict:
 def prove_detector(device: str, quick: bool, workdir: Path, progress: Progress | None = None) -> Proof:
     def run():
         check_device(device)
-        res = demo.detector_proof(workdir, device=device, quick=quick, progress=progress)
+        res = pair.detector_proof(workdir, device=device, quick=quick, progress=progress)
         return res["ok"], res["detail"], res
 
     return _timed("detector", run)

@@ -31,7 +31,7 @@ from moetrace.conform import fence, releases, requirements, sim_cuda
 from moetrace.conform import source as fork_source
 from moetrace.conform.rank import signal_words
 from moetrace.jobs.conform import Case, result_doc, result_lines, run_conform
-from moetrace.jobs.demo import guard_sentence
+from moetrace.analysis.sentences import guard_sentence
 from moetrace.schema import COPY_ORDERS
 
 from support.traces import read_rows
@@ -495,7 +495,8 @@ def test_a_release_that_cannot_be_installed_is_a_row():
 
 
 def test_kt_kernel_writers_of_different_methods_get_their_own_processes():
-    from moetrace.jobs.conform import Plan, _group
+    from moetrace.jobs.conform_plan import Plan
+    from moetrace.jobs.conform_ranks import group_of as _group
 
     def plan(fmt, writer):
         return Plan(Case(fmt, "slow-peer", False, writer, E), {})

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from moetrace import fingerprint as F
 from moetrace.analysis import analyze
 from moetrace.cli import main
-from moetrace.jobs import demo
+from moetrace.jobs import pair as demo
 from moetrace.jobs import selftest as st
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def test_selftest_detector_on_the_demo_pair(demo_run, monkeypatch, tmp_path):
     """The selftest's detector proof, through run_selftest and the CLI's JSON, judging the
     session's demo pair (the same quick emulated pair on CPU that the proof would run: its
     run_pair is handed that pair instead of running it a second time)."""
-    from moetrace.jobs.demo import QUICK, guard_records
+    from moetrace.jobs.pair import QUICK, guard_records
 
     work, summary = demo_run.workdir, demo_run.summary
     unf, fen = _demo_reports(demo_run)
