@@ -255,7 +255,7 @@ def _is_int(v) -> bool:
 
 def _same_version(doc: dict, what: str) -> None:
     """A side file of another manifest schema version is refused in one line (version 4
-    renamed rank_source and rank_sources to tp_rank_found_by and rank_found_by)."""
+    renamed the "how it was found" fields: docs/capture.md)."""
     ver = doc.get("schema_version")
     if _is_int(ver) and ver != MANIFEST_SCHEMA_VERSION:
         raise MoetraceError(f"{what} has schema_version {ver!r}; this moetrace reads version {MANIFEST_SCHEMA_VERSION} "

@@ -110,7 +110,7 @@ def rows_problems(m: dict, f: RowFacts) -> list[str]:
     models = m.get("models") if isinstance(m.get("models"), dict) else {}
     # Steps counted from the hooks' own calls (layer-order) are passes the hooks saw, each with its
     # resident captures; a server's pass counter also counts CUDA-graph replays no hook sees.
-    counted = (models.get("target") or {}).get("step_source") == "layer-order" if isinstance(models.get("target"),
+    counted = (models.get("target") or {}).get("steps_found_by") == "layer-order" if isinstance(models.get("target"),
                                                                                                dict) else False
     try:
         s = Sampling.from_config(m.get("config") or {})

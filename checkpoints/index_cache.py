@@ -73,16 +73,16 @@ def verify_hit(index_path: str | os.PathLike, ckpt: Checkpoint, par: Parallel, r
     draft = None
     for u in rng.sample(units, min(SAMPLE_EXPERTS, len(units))):
         model, layer, rank, expert = u["model"], u["layer"], u["moe_tp_rank"], u["expert"]
-        source = ckpt
+        model_ckpt = ckpt
         if model != "target":
             draft = draft or draft_checkpoint(ckpt)[0]
             if draft is None:
                 return "the cached index has draft rows, the checkpoint has no draft model"
-            source = draft
+            model_ckpt = draft
         rows = table.filter(pc.and_(pc.and_(pc.equal(table.column("model"), model), pc.equal(table.column("layer"), layer)),
                                     pc.and_(pc.equal(table.column("moe_tp_rank"), rank),
                                             pc.equal(table.column("expert"), expert)))).to_pylist()
-        shards = expected_experts(source, layer, rank, par, range(expert, expert + 1))
+        shards = expected_experts(model_ckpt, layer, rank, par, range(expert, expert + 1))
         where = f"{'' if model == 'target' else model + ' '}layer {layer} moe_tp_rank {rank} expert {expert}"
         if sorted(shards) != sorted(r["tensor"] for r in rows):
             return f"{where}: the checkpoint gives tensors {sorted(shards)}, the cache {sorted(r['tensor'] for r in rows)}"

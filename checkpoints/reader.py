@@ -236,16 +236,16 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise MoetraceError(f"{index}: 'weight_map' must be an object of tensor name -> file name")
         files = sorted(set(weight_map.values()))
-        source = index.name
+        weight_map_file = index.name
     elif (root / SINGLE_NAME).exists():
-        files, source = [SINGLE_NAME], SINGLE_NAME
+        files, weight_map_file = [SINGLE_NAME], SINGLE_NAME
         weight_map = {k: SINGLE_NAME for k in read_header(root / SINGLE_NAME)}
     else:
         raise MoetraceError(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
 
     drafts = {k: v for k, v in weight_map.items() if k.startswith(DRAFT_PREFIX + ".")}
     weight_map = {k: v for k, v in weight_map.items() if not is_ignored(k)}
-    headers: dict[str, dict[str, TensorInfo]] = _unambiguous_headers(root, files, source)
+    headers: dict[str, dict[str, TensorInfo]] = _unambiguous_headers(root, files, weight_map_file)
     tensors: dict[str, TensorInfo] = {}
     draft_tensors: dict[str, TensorInfo] = {}
     for name, fname in weight_map.items():
@@ -256,7 +256,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             headers[fname] = read_header(fpath)
         info = headers[fname].get(name)
         if info is None:
-            raise MoetraceError(f"{name}: listed in {source} under {fname} but absent from {root / fname}")
+            raise MoetraceError(f"{name}: listed in {weight_map_file} under {fname} but absent from {root / fname}")
         tensors[name] = info
     draft_problem = None  # the target is usable without its draft: a broken mtp.* only leaves the draft out
     for name, fname in drafts.items():
@@ -277,14 +277,14 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return ckpt
 
 
-def _unambiguous_headers(root: Path, files: list[str], source: str) -> dict[str, dict[str, TensorInfo]]:
-    """The headers of every file `source` lists, after checking that which files make the
+def _unambiguous_headers(root: Path, files: list[str], weight_map_file: str) -> dict[str, dict[str, TensorInfo]]:
+    """The headers of every file `weight_map_file` lists, after checking that which files make the
     checkpoint, and which file holds each tensor, is unambiguous: a .safetensors file that
     nothing lists, or one tensor name in two files, is an error naming both files."""
     listed = set(files)
     for path in sorted(root.glob("*.safetensors")):
         if path.name not in listed and not path.name.startswith("."):
-            what = (f"{source} does not list it" if source == INDEX_NAME
+            what = (f"{weight_map_file} does not list it" if weight_map_file == INDEX_NAME
                     else f"there is no {INDEX_NAME} to say whether it belongs with {SINGLE_NAME}")
             raise MoetraceError(f"{path}: a safetensors file beside {root / files[0]}, and {what}; which files make "
                                 "the checkpoint is ambiguous (remove it, or list it in the index)")

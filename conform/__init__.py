@@ -1,6 +1,6 @@
 """conform: the installed KTransformers fork's own staging code, run on CPU.
 
-- ``source``: find the installed sglang-kt (and kt-kernel), compile its
+- ``fork``: find the installed sglang-kt (and kt-kernel), compile its
   ``SharedFullContext`` from the file; ``requirements``: what that class's
   ``load`` reaches, read from its AST;
 - ``fence``: ``--patch-fence``, the seed PR's reader fence derived from the AST;

@@ -27,7 +27,7 @@ import copy
 import difflib
 from dataclasses import dataclass
 
-from moetrace.conform.source import ForkError
+from moetrace.conform.fork import ForkError
 
 WRITE = "submit_write_weight_scale_to_buffer"
 NAMES = ("torch", "dist", "get_tp_group")  # module-level names the inserted fence reads

@@ -39,7 +39,7 @@ class ForkError(MoetraceError):
 
 
 @dataclass(frozen=True)
-class ForkSource:
+class InstalledFork:
     path: Path  # kt_ep_wrapper.py
     version: str
     origin: str  # how it was found
@@ -62,17 +62,17 @@ def side_dirs() -> list[str]:
     return [d for d in dict.fromkeys(dirs) if d and Path(d).is_dir()]
 
 
-def find_fork(fork_path: str | None = None, search: list[str] | None = None) -> ForkSource:
+def find_fork(fork_path: str | None = None, search: list[str] | None = None) -> InstalledFork:
     """--fork-path DIR (an install target, a site-packages, or a source checkout
     with python/sglang), else the sglang-kt distribution on `search` (default:
     sys.path and side_dirs())."""
     if fork_path:
         root = Path(fork_path)
         if root.is_file() and root.name == WRAPPER_REL.name:
-            return ForkSource(root, "unknown", f"--fork-path {root}")
+            return InstalledFork(root, "unknown", f"--fork-path {root}")
         for base in (root, root / "python"):
             if (base / WRAPPER_REL).is_file():
-                return ForkSource(base / WRAPPER_REL, _version_near(base), f"--fork-path {root}")
+                return InstalledFork(base / WRAPPER_REL, _version_near(base), f"--fork-path {root}")
         raise ForkError(f"--fork-path {root}: no {WRAPPER_REL} under it (nor under {root / 'python'})")
     search = list(search) if search is not None else [*sys.path, *side_dirs()]
     for dist in metadata.distributions(path=search):
@@ -80,7 +80,7 @@ def find_fork(fork_path: str | None = None, search: list[str] | None = None) -> 
             continue
         f = Path(dist.locate_file(WRAPPER_REL))
         if f.is_file():
-            return ForkSource(f, dist.version, f"sglang-kt {dist.version} in {Path(dist.locate_file('')).resolve()}")
+            return InstalledFork(f, dist.version, f"sglang-kt {dist.version} in {Path(dist.locate_file('')).resolve()}")
         raise ForkError(f"sglang-kt {dist.version} is installed but has no {WRAPPER_REL}")
     raise ForkError(f"no sglang-kt found (searched sys.path and {', '.join(side_dirs()) or 'no side folder'}): "
                     f"run `make venv`, or pip install --no-deps --target DIR sglang-kt and pass --fork-path DIR")
@@ -112,7 +112,7 @@ def _missing(name: str, origin: str) -> type:
         def __call__(cls, *a, **k):
             raise ForkError(msg)
 
-    return Meta(name, (), {"__module__": "moetrace.conform.source.missing"})
+    return Meta(name, (), {"__module__": "moetrace.conform.fork.missing"})
 
 
 def _top_imports(tree: ast.Module) -> list[tuple[str, str, str | None]]:
@@ -167,7 +167,7 @@ def _descendants(table: symtable.SymbolTable):
 class CompiledFork:
     module: types.ModuleType
     cls: type
-    source: ForkSource
+    source: InstalledFork
     statements: int  # top-level statements compiled from the file
     placeholders: list[str]  # names bound to placeholders
     patched: list[str]  # methods rewritten by `patch`
@@ -221,7 +221,7 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def parse_fork(src: ForkSource) -> ParsedFork:
+def parse_fork(src: InstalledFork) -> ParsedFork:
     """The fork's file parsed (ForkError without the class); cached per process and
     file version. What the class must have is conform.requirements' to say."""
     return _parse(str(src.path), src.path.stat().st_mtime_ns)
@@ -245,7 +245,7 @@ def _resolve(name: str, mod_name: str, attr: str | None, provided: dict, modules
     return getattr(mod, attr) if attr else mod
 
 
-def compile_fork(src: ForkSource, provided: dict[str, object], modules: dict[str, object],
+def compile_fork(src: InstalledFork, provided: dict[str, object], modules: dict[str, object],
                  register: bool = True, patch=None) -> CompiledFork:
     """Compile SharedFullContext and what it names into a fresh module.
     `provided`: objects by qualified import ("sglang.srt.distributed.get_tp_group");

@@ -194,16 +194,16 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
              contexts: list) -> CaseFacts:
     from moetrace.checkpoints.reader import open_checkpoint
     from moetrace.checkpoints.shards import Parallel, expected_layer
-    from moetrace.conform import env as fork_env, fence, slow_peer, source
+    from moetrace.conform import env as fork_env, fence, fork, slow_peer
     from moetrace.hooks.sglang_hook import make_hook
 
     world, t = job.tp, {"start": time.perf_counter()}
     schedule = (slow_peer.SlowPeer(control, rank, world, runtime, job.timeout_s) if case.schedule == "slow-peer"
                 else slow_peer.NoSchedule(runtime))
     provided, modules, env = fork_env.fork_namespace(runtime, schedule)
-    src = source.ForkSource(Path(case.fork_file), case.fork_version, "")
+    src = fork.InstalledFork(Path(case.fork_file), case.fork_version, "")
     methods = list(case.fence_methods)
-    compiled = source.compile_fork(src, provided, modules,
+    compiled = fork.compile_fork(src, provided, modules,
                                    patch=(lambda node, ns: fence.patch_fence(node, methods, ns)) if methods else None)
     t["compile"] = time.perf_counter()
 
@@ -225,7 +225,7 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
     ctx = build_context(compiled, layer)
     fmt = fork_format(ctx)
     if fmt != case.fmt:
-        raise source.ForkError(f"the fork's _detect_quant_type_from_created_weights sees {fmt} for a "
+        raise fork.ForkError(f"the fork's _detect_quant_type_from_created_weights sees {fmt} for a "
                                     f"{case.fmt} layer: its format detection changed")
     schedule.attach_slots(ctx.cpu_buffers)
     wrapper, writer, kind = None, "none (only rank 0 writes)", "none"
@@ -340,7 +340,7 @@ def rank_main(rank: int, job: RankJob) -> None:
     except BaseException as err:
         from moetrace.errors import MoetraceError
 
-        from moetrace.conform.source import ForkError
+        from moetrace.conform.fork import ForkError
 
         kind = ("layout" if isinstance(err, ForkError) else "refused" if isinstance(err, MoetraceError) else
                 "timeout" if type(err).__name__ == "SimTimeout" else

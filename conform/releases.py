@@ -21,7 +21,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetrace.conform.source import WRAPPER_REL
+from moetrace.conform.fork import WRAPPER_REL
 from moetrace.errors import MoetraceError
 
 FORK, KERNEL = "sglang-kt", "kt-kernel"

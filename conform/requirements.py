@@ -13,7 +13,7 @@ import ast
 import re
 from dataclasses import dataclass
 
-from moetrace.conform.source import CLASS_NAME, ForkError
+from moetrace.conform.fork import CLASS_NAME, ForkError
 
 PROVIDED = ("_build_layers",)  # conform's own (conform/rank.py): SGLang's quant methods are not here
 ENTRIES = ("__init__", "load")

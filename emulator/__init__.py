@@ -8,7 +8,7 @@ Entry points (imported lazily, so ``import moetrace.emulator`` stays light):
 - ``reference_outputs(checkpoint, requests, tp=2)``: the same requests without transport;
 - ``start_server(EmulatorConfig)`` -> ``ServerHandle`` (``.url``, ``.stop()``); ``serve(...)``: the CLI body;
 - ``time_loads(dims_or_checkpoint, fences=("none", "all"))``: per-load timings;
-- ``EmulatorConfig``, ``SourceSpec``, ``ModelDims``, ``as_config``.
+- ``EmulatorConfig``, ``WeightsSpec``, ``ModelDims``, ``as_config``.
 
 docs/emulator.md says what is faithful to the fork and what is not.
 """
@@ -27,7 +27,7 @@ _EXPORTS = {
     "ServerHandle": "launcher",
     "EmulatorError": "launcher",
     "EmulatorConfig": "config",
-    "SourceSpec": "config",
+    "WeightsSpec": "config",
     "ModelDims": "config",
     "as_config": "config",
 }

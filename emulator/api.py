@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moetrace.emulator.config import EmulatorConfig, ModelDims, SourceSpec, as_config
+from moetrace.emulator.config import EmulatorConfig, ModelDims, WeightsSpec, as_config
 from moetrace.emulator.engine import Engine, decode, normalize_request
 from moetrace.emulator.launcher import RankGroup
 
@@ -107,16 +107,16 @@ def reference_outputs(checkpoint=None, requests=(), *, config: EmulatorConfig | 
     chunking, prefix cache and non-expert weights as the emulator: what an
     uncorrupted server returns. Bit-equal to a correct TP2 emulation on CPU."""
     from moetrace.emulator.model import ReferenceExperts, build_model
-    from moetrace.emulator.source import open_source
+    from moetrace.emulator.weights import open_weights
 
     cfg = as_config(checkpoint, config, **overrides)
-    source = open_source(cfg.source, cfg.tp)
+    weights = open_weights(cfg.weights, cfg.tp)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks compute single-threaded: same kernels, same bits
     try:
-        dims = source.dims
+        dims = weights.dims
         cfg.validate(dims)
-        shards = {L: [source.layer_shards(L, r) for r in range(cfg.tp)] for L in dims.moe_layers}
+        shards = {L: [weights.layer_shards(L, r) for r in range(cfg.tp)] for L in dims.moe_layers}
         model = build_model(dims, cfg.seed, lambda L: ReferenceExperts(shards[L], dims.block), lambda t: None, "cpu")
         engine = Engine(model, "cpu", cfg.chunk_tokens, cfg.prefix_cache)
         out = []
@@ -127,19 +127,19 @@ def reference_outputs(checkpoint=None, requests=(), *, config: EmulatorConfig | 
         return out
     finally:
         torch.set_num_threads(threads)
-        source.close()
+        weights.close()
 
 
-def time_loads(source: ModelDims | SourceSpec | str, *, tp: int = 2, fences=("none", "all"), repeats: int = 3,
+def time_loads(weights: ModelDims | WeightsSpec | str, *, tp: int = 2, fences=("none", "all"), repeats: int = 3,
                layer: int | None = None, device: str = "cpu", slow_rank: int | None = None,
                timeout_s: float = 600.0, **overrides) -> dict[str, list[float]]:
     """Wall time (ms, as rank 0 measures ``SharedFullContext.load``) of ``repeats``
     staged loads of one layer per fence mode, the modes interleaved."""
-    cfg = as_config(source, None, tp=tp, device=device, slow_rank=slow_rank, op_timeout_s=timeout_s,
+    cfg = as_config(weights, None, tp=tp, device=device, slow_rank=slow_rank, op_timeout_s=timeout_s,
                     collective_timeout_s=timeout_s, **overrides)
-    from moetrace.emulator.source import source_dims
+    from moetrace.emulator.weights import weights_dims
 
-    dims = source_dims(cfg.source, tp)
+    dims = weights_dims(cfg.weights, tp)
     layer = dims.moe_layers[0] if layer is None else layer
     group = RankGroup(cfg, "bench", bench={"layer": layer, "repeats": repeats, "fences": list(fences)})
     try:

@@ -33,12 +33,12 @@ class ModelDims:
 
 
 @dataclass(frozen=True)
-class SourceSpec:
+class WeightsSpec:
     """Where expert weights come from: a safetensors checkpoint directory, or
     deterministic filler bytes of the given dims (benchmarks; no checkpoint)."""
 
     checkpoint: str | None = None
-    dims: ModelDims | None = None  # filler source when checkpoint is None
+    dims: ModelDims | None = None  # filler weights when checkpoint is None
 
     def describe(self) -> str:
         return self.checkpoint or f"filler {self.dims}"
@@ -56,7 +56,7 @@ class EmulatorConfig:
     deterministic injection (None: no injection, natural timing).
     """
 
-    source: SourceSpec
+    weights: WeightsSpec
     tp: int = 2
     fence: str = "none"
     slow_rank: int | None = 1
@@ -115,7 +115,7 @@ class EmulatorConfig:
         if self.transport not in ("emulator", "fork") or self.writer not in ("kt-kernel", "moetrace"):
             raise MoetraceError(f"transport must be emulator or fork and writer kt-kernel or moetrace, got "
                                 f"{self.transport!r} and {self.writer!r} (resolve \"auto\" with resolve_transport)")
-        if self.transport == "fork" and (self.device != "cpu" or not self.source.checkpoint):
+        if self.transport == "fork" and (self.device != "cpu" or not self.weights.checkpoint):
             raise MoetraceError("transport fork needs --device cpu (its CUDA runtime is simulated) and a checkpoint "
                                 "(kt-kernel reads its experts from it)")
         if dims is None:
@@ -132,22 +132,22 @@ class EmulatorConfig:
 
 
 def as_config(checkpoint=None, config: EmulatorConfig | None = None, **kw) -> EmulatorConfig:
-    """Build a config from a checkpoint path (or a SourceSpec) plus keyword overrides."""
+    """Build a config from a checkpoint path (or a WeightsSpec) plus keyword overrides."""
     if config is not None:
         return config.replace(**kw) if kw else config
-    if isinstance(checkpoint, SourceSpec):
-        source = checkpoint
+    if isinstance(checkpoint, WeightsSpec):
+        weights = checkpoint
     elif isinstance(checkpoint, ModelDims):
-        source = SourceSpec(dims=checkpoint)
+        weights = WeightsSpec(dims=checkpoint)
     elif checkpoint is None:
-        raise MoetraceError("give a checkpoint directory (or a SourceSpec) to emulate")
+        raise MoetraceError("give a checkpoint directory (or a WeightsSpec) to emulate")
     else:
-        source = SourceSpec(checkpoint=str(checkpoint))
+        weights = WeightsSpec(checkpoint=str(checkpoint))
     if "forward_hooks" in kw and kw["forward_hooks"] is not None:
         kw["forward_hooks"] = tuple(kw["forward_hooks"])
     elif "forward_hooks" in kw:
         kw["forward_hooks"] = ()
     if kw.get("slow_rank") is not None and kw["slow_rank"] < 0:
         kw["slow_rank"] = None
-    return EmulatorConfig(source=source, **kw)
+    return EmulatorConfig(weights=weights, **kw)
 

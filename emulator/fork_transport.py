@@ -27,7 +27,7 @@ TRANSPORTS = ("emulator", "fork", "auto")
 
 def resolve_transport(requested: str, device: str, fork_path: str | None = None) -> tuple[str, str]:
     """("fork" | "emulator", what stages the layers, in words) for a requested transport."""
-    from moetrace.conform.source import ForkError, find_fork
+    from moetrace.conform.fork import ForkError, find_fork
 
     own = "the emulator's own SharedFullContext"
     if requested not in TRANSPORTS:
@@ -102,13 +102,13 @@ def _control(prefix: str, rank: int, world: int):
     return ctl
 
 
-def build_fork_transport(cfg, prefix: str, rank: int, world: int, gpu_layer, source, layers: list[int],
+def build_fork_transport(cfg, prefix: str, rank: int, world: int, gpu_layer, weights, layers: list[int],
                          mask: torch.Tensor | None) -> ForkTransport:
     """Collective: every rank compiles the fork's class, builds its context around
     ``gpu_layer`` (the fork's own host-slot setup) and rank 0 its writers."""
     from moetrace.conform import env as fork_env, fence, rank as fork_rank, sim_cuda, slow_peer
     from moetrace.conform.requirements import derive
-    from moetrace.conform.source import compile_fork, find_fork, find_kt_kernel
+    from moetrace.conform.fork import compile_fork, find_fork, find_kt_kernel
 
     # kt-kernel prints from C++ (also at exit): to stderr, so the rank never writes the
     # command's stdout (demo --json).
@@ -135,13 +135,13 @@ def build_fork_transport(cfg, prefix: str, rank: int, world: int, gpu_layer, sou
     ctx = fork_rank.build_context(compiled, gpu_layer)
     schedule.attach_slots(ctx.cpu_buffers)
     wrappers, writer = {}, "none (only rank 0 writes)"
-    n = source.dims.num_experts
+    n = weights.dims.num_experts
     mask = mask if mask is not None else torch.zeros(n, dtype=torch.bool)
     if rank == 0:
         for L in layers:
             w, writer, _ = fork_rank.rank0_writer(
-                cfg.writer, cfg.source.checkpoint, "fp8_block", L, n, source.dims.hidden, source.dims.intermediate,
-                mask, lambda L=L: [source.layer_shards(L, r) for r in range(world)], ctx.weight_names)
+                cfg.writer, cfg.weights.checkpoint, "fp8_block", L, n, weights.dims.hidden, weights.dims.intermediate,
+                mask, lambda L=L: [weights.layer_shards(L, r) for r in range(world)], ctx.weight_names)
             wrappers[L] = schedule.observe_writer(w)
     dist_mod = modules["torch.distributed"]
     return ForkTransport(ForkContext(ctx, schedule, cfg.fence), wrappers, writer,

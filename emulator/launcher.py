@@ -27,7 +27,7 @@ from typing import Callable
 from moetrace.emulator import shm
 from moetrace.emulator.config import EmulatorConfig
 from moetrace.emulator.rank import RankJob, rank_main
-from moetrace.emulator.source import source_dims
+from moetrace.emulator.weights import weights_dims
 from moetrace.errors import MoetraceError
 
 
@@ -40,7 +40,7 @@ class EmulatorError(MoetraceError):
 class RankGroup:
     def __init__(self, cfg: EmulatorConfig, mode: str, requests=(), bench: dict | None = None):
         cfg.validate()
-        self.dims = source_dims(cfg.source, cfg.tp)
+        self.dims = weights_dims(cfg.weights, cfg.tp)
         cfg.validate(self.dims)
         self.cfg = cfg
         self.mode = mode

@@ -1,7 +1,7 @@
 """One emulated TP rank: a spawned process (``rank_main``).
 
 Start-up: torch.distributed (gloo; NCCL on CUDA with a GPU per rank), weights
-from the source, host slots (rank 0 creates, peers attach), the model with
+from the weights, host slots (rank 0 creates, peers attach), the model with
 its KT wrapper method and the one SharedFullContext, then ``--forward-hooks``
 (after the model is ready, as SGLang does). Then one of three jobs:
 
@@ -52,7 +52,7 @@ class RankState:
     device: torch.device
     runtime: object = None
     fork: object = None  # ForkTransport when cfg.transport == "fork"
-    source: object = None
+    weights: object = None
     ctx: object = None
     wrappers: dict = field(default_factory=dict)
     model: object = None
@@ -110,18 +110,18 @@ def _snapshot(cfg: EmulatorConfig, state: RankState, ctx, layer_idx: int) -> Non
 
 def build(job: RankJob, state: RankState, with_model: bool = True) -> None:
     from moetrace.emulator.model import EmulatedFusedMoE, KTEPWrapperMethod, build_model
-    from moetrace.emulator.source import open_source
+    from moetrace.emulator.weights import open_weights
     from moetrace.emulator.staging import SharedFullContext, make_wrappers, open_runtime, slot_layout
 
     cfg, rank, world, device = job.cfg, state.rank, state.world, state.device
-    source = state.source = open_source(cfg.source, world)
-    dims = source.dims
+    weights = state.weights = open_weights(cfg.weights, world)
+    dims = weights.dims
     i_tp = dims.i_tp(world)
     layers = list(dims.moe_layers)
     if job.bench is not None:
         layers = [job.bench["layer"]]
     # Resident experts (the model) and rank 0's CPU experts need the shards; a bench peer does not.
-    own = {L: source.layer_shards(L, rank) for L in layers} if with_model or rank == 0 else {}
+    own = {L: weights.layer_shards(L, rank) for L in layers} if with_model or rank == 0 else {}
 
     gpu_layer = EmulatedFusedMoE(layers[0], dims.num_experts, dims.hidden, i_tp, dims.block, rank, world, device)
     mask = l2g = None
@@ -135,7 +135,7 @@ def build(job: RankJob, state: RankState, with_model: bool = True) -> None:
             raise ValueError("the staged-load benchmark times the emulator's own transport (transport emulator)")
         from moetrace.emulator.fork_transport import build_fork_transport
 
-        ft = state.fork = build_fork_transport(cfg, job.prefix, rank, world, gpu_layer, source, layers, mask)
+        ft = state.fork = build_fork_transport(cfg, job.prefix, rank, world, gpu_layer, weights, layers, mask)
         ctx = state.ctx = ft.ctx
         state.wrappers, all_reduce = ft.wrappers, ft.all_reduce
     else:
@@ -146,7 +146,7 @@ def build(job: RankJob, state: RankState, with_model: bool = True) -> None:
         )
         ctx = state.ctx = SharedFullContext(gpu_layer, rt)
         if rank == 0:  # kt-kernel's CPU experts: every rank's shard, on rank 0 only
-            cpu = {L: [own[L] if r == 0 else source.layer_shards(L, r) for r in range(world)] for L in layers}
+            cpu = {L: [own[L] if r == 0 else weights.layer_shards(L, r) for r in range(world)] for L in layers}
             state.wrappers = make_wrappers(rt, cpu, cfg.slow_rank, cfg.op_timeout_s)
     if not with_model:
         if cfg.forward_hooks:
@@ -223,7 +223,7 @@ def run_serve(job: RankJob, state: RankState, status_q, cmd_qs, stop_event) -> N
     from moetrace.emulator.http_server import CompletionServer
 
     cfg = job.cfg
-    info = {"model_path": cfg.source.describe(), "tp_size": state.world, "fence": cfg.fence,
+    info = {"model_path": cfg.weights.describe(), "tp_size": state.world, "fence": cfg.fence,
             "slow_rank": cfg.slow_rank, "device": cfg.device, "shm_prefix": job.prefix,
             "chunk_tokens": cfg.chunk_tokens, "prefill_threshold": cfg.prefill_threshold}
     server = CompletionServer(cfg.host, cfg.port, cfg.model_name, info, on_shutdown=stop_event.set)
@@ -289,8 +289,8 @@ def _cleanup(state: RankState) -> None:
                         pass
             rt.slots.close(unlink=state.rank == 0)
             rt.control.close(unlink=state.rank == 0)
-    if state.source is not None:
-        state.source.close()
+    if state.weights is not None:
+        state.weights.close()
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

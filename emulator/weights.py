@@ -1,8 +1,8 @@
 """Expert weights for the emulator: per-rank TP shards, as SGLang's FusedMoE holds them.
 
-``CheckpointSource`` reads them from a safetensors checkpoint through
+``CheckpointWeights`` reads them from a safetensors checkpoint through
 ``moetrace.checkpoints`` (``expected_layer``: exactly the shard a rank must
-hold). ``FillerSource`` makes distinct, cheap bytes of any size for benchmarks
+hold). ``FillerWeights`` makes distinct, cheap bytes of any size for benchmarks
 (Qwen3.5-122B layer size without a 2 GB checkpoint on disk).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moetrace.emulator.config import ModelDims, SourceSpec
+from moetrace.emulator.config import ModelDims, WeightsSpec
 from moetrace.errors import MoetraceError
 
 
@@ -35,7 +35,7 @@ def dims_from_checkpoint(ckpt) -> ModelDims:
     )
 
 
-class CheckpointSource:
+class CheckpointWeights:
     """Per-rank shards read from a checkpoint (opened lazily, once per process)."""
 
     def __init__(self, path: str, tp: int):
@@ -57,7 +57,7 @@ class CheckpointSource:
         self.ckpt.close()
 
 
-class FillerSource:
+class FillerWeights:
     """Distinct per (layer, rank, expert) bytes with the FusedMoE shapes of ``dims``.
 
     Weights are one repeated finite e4m3fn byte per expert; scales are 1/(e+1).
@@ -92,19 +92,19 @@ class FillerSource:
         pass
 
 
-def open_source(spec: SourceSpec, tp: int):
+def open_weights(spec: WeightsSpec, tp: int):
     if spec.checkpoint is not None:
-        return CheckpointSource(spec.checkpoint, tp)
+        return CheckpointWeights(spec.checkpoint, tp)
     if spec.dims is None:
-        raise MoetraceError("SourceSpec needs a checkpoint or dims")
-    return FillerSource(spec.dims, tp)
+        raise MoetraceError("WeightsSpec needs a checkpoint or dims")
+    return FillerWeights(spec.dims, tp)
 
 
-def source_dims(spec: SourceSpec, tp: int) -> ModelDims:
+def weights_dims(spec: WeightsSpec, tp: int) -> ModelDims:
     """Dims without reading any expert data (the checkpoint's headers and config only)."""
     if spec.checkpoint is None:
         if spec.dims is None:
-            raise MoetraceError("SourceSpec needs a checkpoint or dims")
+            raise MoetraceError("WeightsSpec needs a checkpoint or dims")
         return spec.dims
     from moetrace.checkpoints.reader import open_checkpoint
 

@@ -87,11 +87,11 @@ class FusedMoECapture:
             if len(used) < n_slots:
                 tr.note_once(f"{model} layer {layer}: {n_slots - len(used)} slot(s) the loader never fills (no logical "
                              "expert maps to them) are not captured")
-            tr.sink.count_slot_map(model, slots.source)
+            tr.sink.count_slot_map(model, slots.found_by)
             # Unchanged weights reuse their fingerprints only where every write is counted
             # (weight_events: loaders, updaters, EPLB's); KT's slots change under its own copies.
             epoch = None
-            if tr.config.resident_cache and not slots.source.startswith("kt") and weight_events.watch_params(tensors):
+            if tr.config.resident_cache and not slots.found_by.startswith("kt") and weight_events.watch_params(tensors):
                 epoch = weight_events.epoch()
             # the slots its captures report: the layout's less those never filled (analysis.row_check.layout_slots)
             tr.record_layout(self.source, layer, {**layout_facts(module), "unfilled_slots": n_slots - len(used)}, model)

@@ -68,8 +68,8 @@ def _hooked_layers(reg: Registration | None) -> list[int] | None:
 def serve_model(tracer: Tracer, reg: Registration | None) -> str:
     """Declare the model this factory call serves to the tracer; returns its name."""
     name, how = model_name(reg)
-    pass_id, step_source = reg.pass_counter() if reg is not None else (None, "layer-order")
-    tracer.register_model(name, pass_id=pass_id, step_source=step_source, detected_by=how,
+    pass_id, steps_found_by = reg.pass_counter() if reg is not None else (None, "layer-order")
+    tracer.register_model(name, pass_id=pass_id, steps_found_by=steps_found_by, found_by=how,
                           architecture=reg.architecture if reg is not None else None, layers=_hooked_layers(reg))
     bind_modules(reg, name)
     return name

@@ -28,7 +28,7 @@ class SlotMapError(Exception):
 class SlotMap:
     experts: list[int]  # logical expert per slot; UNUSED for a slot nothing is loaded into
     copies: list[int]  # physical copy number of that logical expert in the layer (0 = first)
-    source: str  # how the map was read
+    found_by: str  # how the map was read
     num_logical: int  # routed logical experts; shared expert j has id num_logical + j
 
 
@@ -108,17 +108,17 @@ def read_slot_map(module, n_slots: int, layer: int) -> SlotMap | None:
         copies = _copies(row, (id(p2l), p2l._version, layer))
         experts = row[base:base + n_routed]
         copies = copies[base:base + n_routed]
-        source = "eplb"
+        found_by = "eplb"
     else:
         experts = [base + i if base + i < num_logical else UNUSED for i in range(n_routed)]
         copies = [0] * n_routed
-        source = "ep-contiguous"
+        found_by = "ep-contiguous"
     for j in range(n_slots - n_routed):
         experts.append(num_logical + j)
         copies.append(rank if ep_size > 1 else 0)
     if shared and n_slots > n_routed:
-        source += "+shared"
-    return SlotMap(experts, copies, source, num_logical)
+        found_by += "+shared"
+    return SlotMap(experts, copies, found_by, num_logical)
 
 
 def _num_logical(module, meta, routed: int, ep_size: int) -> int:

@@ -46,7 +46,7 @@ class Plan:
     fork: dict  # provenance (fork_provenance)
     error: str = ""  # why it cannot run (exit 2), "" when it can
     status: str = "refused"  # "absent" when the release's load has no path for the format
-    src: object = None  # ForkSource
+    src: object = None  # InstalledFork
     method: str = ""  # the staging method load dispatches the format to
     patch: dict = field(default_factory=dict)  # --patch-fence: {"methods", "diff"}
 
@@ -66,7 +66,7 @@ def check_case(case: Case, tp: int) -> None:
 def fork_provenance(src, parsed, kt: tuple[str | None, str | None]) -> dict:
     """What ran: the distribution, the file and class with their sha256, whether the file
     is the one the release shipped (its RECORD), and the kt-kernel beside it."""
-    from moetrace.conform.source import released_sha256
+    from moetrace.conform.fork import released_sha256
 
     released = released_sha256(src.path)
     return {"distribution": "sglang-kt", "version": src.version, "path": str(src.path), "found": src.origin,
@@ -90,7 +90,7 @@ def plan_case(case: Case, tp: int) -> Plan:
     """Everything that can be told before a process starts: the fork, its provenance,
     what its class needs (conform.requirements), the format's method, the fence diff."""
     from moetrace.conform import fence, requirements
-    from moetrace.conform.source import ForkError, find_fork, find_kt_kernel, fork_root, parse_fork
+    from moetrace.conform.fork import ForkError, find_fork, find_kt_kernel, fork_root, parse_fork
 
     try:
         src = find_fork(case.fork_path)

@@ -128,14 +128,14 @@ class Launcher:
         self.replace = replace
         dist = server_distribution()
         self.sglang_version, how = (dist[1], "distribution") if dist else (None, "unknown")
-        self.version_source = how
+        self.version_found_by = how
         self._server_flags, self._distribution = server_flags, dist
         self.flags: tuple[str, ...] | None = None  # None: the server's --help decides, in run()
-        self.flags_source: str | None = None
+        self.flags_found_by: str | None = None
         if not disable_cuda_graph:
-            self.flags, self.flags_source = (), "kept"
+            self.flags, self.flags_found_by = (), "kept"
         elif server_flags != "auto" or (dist is not None and dist[0] == "sglang-kt"):
-            self.flags, self.flags_source = cuda_graph_flags_for(self.user_cmd, server_flags, dist)
+            self.flags, self.flags_found_by = cuda_graph_flags_for(self.user_cmd, server_flags, dist)
         config = dict(config)
         config.pop("run_nonce", None)  # every launch is a new one, whatever a hook config file says
         self.spec = hook_spec(config, targets)
@@ -157,8 +157,8 @@ class Launcher:
                       "group_killed": False, "leftover_pids": []}
         self.run_manifest = new_run_manifest(
             self.run_id, self.config["out"], run_nonce=self.nonce, replaced=replace, sglang_version=self.sglang_version,
-            sglang_version_source=how, server_distribution={"name": dist[0], "version": dist[1]} if dist else None,
-            cuda_graph_flags=list(self.flags or ()), cuda_graph_flags_source=self.flags_source, user_command=self.user_cmd,
+            sglang_version_found_by=how, server_distribution={"name": dist[0], "version": dist[1]} if dist else None,
+            cuda_graph_flags=list(self.flags or ()), cuda_graph_flags_found_by=self.flags_found_by, user_command=self.user_cmd,
             command=self.cmd, hook_spec=self.spec, expected_ranks=self.expected_ranks,
             tp_size=self.expected_ranks, checkpoint_id=self.config.get("checkpoint_id"),
         )
@@ -199,11 +199,11 @@ class Launcher:
         if self.flags is not None:
             return
         if invokes_sglang(self.user_cmd):
-            self.flags, self.flags_source = cuda_graph_flags_for(self.user_cmd, self._server_flags, self._distribution)
+            self.flags, self.flags_found_by = cuda_graph_flags_for(self.user_cmd, self._server_flags, self._distribution)
         else:
-            self.flags, self.flags_source = LEGACY_CUDA_GRAPH_FLAGS, "default"
+            self.flags, self.flags_found_by = LEGACY_CUDA_GRAPH_FLAGS, "default"
         self.cmd = build_command(self.user_cmd, self.spec, self.flags)
-        self.run_manifest.update(cuda_graph_flags=list(self.flags), cuda_graph_flags_source=self.flags_source,
+        self.run_manifest.update(cuda_graph_flags=list(self.flags), cuda_graph_flags_found_by=self.flags_found_by,
                                  command=self.cmd)
 
     def _on_signal(self, signum, frame) -> None:

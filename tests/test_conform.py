@@ -28,7 +28,7 @@ from click.testing import CliRunner
 
 from moetrace.cli import main
 from moetrace.conform import fence, releases, requirements, sim_cuda
-from moetrace.conform import source as fork_source
+from moetrace.conform import fork as fork_source
 from moetrace.conform.rank import signal_words
 from moetrace.jobs.conform import Case, result_doc, result_lines, run_conform
 from moetrace.analysis.sentences import guard_sentence
@@ -59,7 +59,7 @@ VARIANTS = {  # name -> (reader fence, where: "before"/"after" the refill, first
 WRONG = [v for v in VARIANTS if v != "hand"]
 
 
-def installed_fork() -> fork_source.ForkSource:
+def installed_fork() -> fork_source.InstalledFork:
     try:
         return fork_source.find_fork()
     except fork_source.ForkError as err:

@@ -261,7 +261,7 @@ def test_update_entry_points_are_sglangs():
     assert methods["update_weights_from_disk"][:3] == ["self", "model_path", "load_format"]
     assert not [n for n in methods if n.startswith(("update_", "receive_", "load_"))
                 and not n.startswith(weight_events._UPDATE_PREFIXES)]
-    from moetrace.conform.source import find_fork
+    from moetrace.conform.fork import find_fork
     from moetrace.errors import MoetraceError as NoFork
 
     try:  # the KT fork keeps them on ModelRunner

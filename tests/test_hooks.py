@@ -355,11 +355,11 @@ def test_slot_to_global_expert_ids(tmp_path):
 
     ep = FakeFusedMoE(0, {"w2_weight": torch.zeros(4, 2)}, 8, ep_rank=1, ep_size=2)
     m = read_slot_map(ep, 4, 0)
-    assert (m.experts, m.copies, m.source) == ([4, 5, 6, 7], [0] * 4, "ep-contiguous")
+    assert (m.experts, m.copies, m.found_by) == ([4, 5, 6, 7], [0] * 4, "ep-contiguous")
     kt = SimpleNamespace(quant_method=SimpleNamespace(gpu_index_to_logical=torch.tensor([5, 1, 7])))
-    assert read_slot_map(kt, 3, 0).experts == [5, 1, 7] and read_slot_map(kt, 3, 0).source == "kt-gpu-index"
+    assert read_slot_map(kt, 3, 0).experts == [5, 1, 7] and read_slot_map(kt, 3, 0).found_by == "kt-gpu-index"
     inv = SimpleNamespace(quant_method=SimpleNamespace(logical_to_gpu_index=torch.tensor([-1, 1, -1, 0])))
-    assert read_slot_map(inv, 2, 0).experts == [3, 1] and read_slot_map(inv, 2, 0).source == "kt-logical-index"
+    assert read_slot_map(inv, 2, 0).experts == [3, 1] and read_slot_map(inv, 2, 0).found_by == "kt-logical-index"
     none = SimpleNamespace(quant_method=SimpleNamespace(num_gpu_experts=0))
     assert read_slot_map(none, 1, 0) is None
     # Through the hook: EP rank 1 of 2 records global ids 4..7 in slots 0..3.

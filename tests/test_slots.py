@@ -98,7 +98,7 @@ def test_identity_steps_and_models_in_the_manifests(server):
             2, int(label[2]), int(label[-1]), None, label)
         assert m["rank_found_by"] == {"tp": "sglang", "pp": "sglang", "replica": "default"}
         target = m["models"]["target"]
-        assert target["step_source"] == "model-runner-pass-id" and target["detected_by"] == "runner.is_draft_worker"
+        assert target["steps_found_by"] == "model-runner-pass-id" and target["found_by"] == "runner.is_draft_worker"
         assert target["layers"] == ([0, 1] if label.startswith("pp0") else [2, 3])
         assert target["slot_maps"] == {"eplb+shared": 2 * 2}
         if label.startswith("pp1"):
@@ -242,12 +242,12 @@ def test_hook_manager_pass_counter_and_layer_order_fallback(make_ckpt, tmp_path)
         model(torch.zeros(2))
     assert sglang_hook.close_all()
     m = read_manifests(str(tmp_path), "hm")["0"]
-    assert m["models"]["target"]["step_source"] == "hook-manager-pass-id"
+    assert m["models"]["target"]["steps_found_by"] == "hook-manager-pass-id"
     assert sorted({r["step"] for r in st.read_rows(str(tmp_path), "hm").to_pylist()}) == [40, 41]
     direct = sglang_hook.make_hook({"out": str(tmp_path), "run_id": "direct", "tp_rank": 0, "tp_size": 1})
     assert direct is not None
     assert sglang_hook.close_all()
-    assert read_manifests(str(tmp_path), "direct")["0"]["models"]["target"]["step_source"] == "layer-order"
+    assert read_manifests(str(tmp_path), "direct")["0"]["models"]["target"]["steps_found_by"] == "layer-order"
 
 
 def test_launch_flags_by_distribution_and_help(tmp_path):
@@ -285,9 +285,9 @@ def test_launch_flags_by_distribution_and_help(tmp_path):
     assert not invokes_sglang([sys.executable, str(split), "--tp", "2"])
     lch = Launcher([sys.executable, "-c", "pass"], {"out": str(tmp_path / "t"), "run_id": "F"}, echo=lambda m: None)
     assert lch.flags is None and lch.run() == 0
-    assert (lch.flags, lch.flags_source) == (LEGACY_CUDA_GRAPH_FLAGS, "default") and lch.cmd[-1] == LEGACY_CUDA_GRAPH_FLAGS[0]
+    assert (lch.flags, lch.flags_found_by) == (LEGACY_CUDA_GRAPH_FLAGS, "default") and lch.cmd[-1] == LEGACY_CUDA_GRAPH_FLAGS[0]
     run = json.loads((tmp_path / "t" / "F" / "_run.json").read_text())
-    assert run["cuda_graph_flags_source"] == "default" and run["command"] == lch.cmd
+    assert run["cuda_graph_flags_found_by"] == "default" and run["command"] == lch.cmd
 
 
 def test_guard_verifies_eplb_slots_and_the_draft_by_model(server, tmp_path):

@@ -125,15 +125,15 @@ class Tracer:
 
     # ------------------------------------------------------------ models and steps
 
-    def register_model(self, name: str, *, pass_id: Callable[[], int] | None = None, step_source: str = "layer-order",
+    def register_model(self, name: str, *, pass_id: Callable[[], int] | None = None, steps_found_by: str = "layer-order",
                        **facts) -> ModelState:
         """Declare a model the hooks serve (first declaration wins; `facts` go to the
-        manifest's ``models`` entry: architecture, detected_by, layers)."""
+        manifest's ``models`` entry: architecture, found_by, layers)."""
         with self._lock:
             state = self.models.get(name)
             if state is None:
-                state = self.models[name] = ModelState(name, step_counter(pass_id, step_source))
-                self.sink.set_model(name, step_source=getattr(state.steps, "source", step_source), **facts)
+                state = self.models[name] = ModelState(name, step_counter(pass_id, steps_found_by))
+                self.sink.set_model(name, steps_found_by=getattr(state.steps, "found_by", steps_found_by), **facts)
             elif facts.get("layers"):
                 self.sink.add_model_layers(name, facts["layers"])
             return state

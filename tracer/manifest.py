@@ -80,10 +80,10 @@ class RankManifest:
     rank_found_by: dict = field(default_factory=dict)
     """how each of `tp`, `pp`, `replica` was detected (as tp_rank_found_by)"""
     models: dict = field(default_factory=dict)
-    """per model served (`target`, `draft`): `architecture` (root module class), `detected_by`
+    """per model served (`target`, `draft`): `architecture` (root module class), `found_by`
     (`runner.is_draft_worker`, `module.is_draft`, `architecture`, `default`), `layers` (MoE layers hooked: this
-    stage's), `step_source` (`hook-manager-pass-id`, `model-runner-pass-id`, `layer-order`), `slot_maps` (captures
-    per map source, table above)"""
+    stage's), `steps_found_by` (`hook-manager-pass-id`, `model-runner-pass-id`, `layer-order`), `slot_maps` (captures
+    per way the slot map was found, table above)"""
     ep_size: Count | None = None
     """expert-parallel size, from the first captured module (null until then)"""
     ep_rank: Count | None = None
@@ -185,13 +185,13 @@ class RunManifest:
     """moetrace's version"""
     sglang_version: str | None = None
     """the installed SGLang's version"""
-    sglang_version_source: str | None = None
-    """`distribution`, `unknown`"""
+    sglang_version_found_by: str | None = None
+    """how the version was found: `distribution`, `unknown`"""
     server_distribution: dict | None = None
     """`{"name": "sglang" | "sglang-kt", "version"}`: the installed distribution providing `sglang`"""
     cuda_graph_flags: list = field(default_factory=list)
     """the flags added to turn CUDA graphs off"""
-    cuda_graph_flags_source: str | None = None
+    cuda_graph_flags_found_by: str | None = None
     """how they were chosen: `option`, `distribution`, `help`, `default`, `kept`"""
     user_command: list = field(default_factory=list)
     """the server command as given"""

@@ -186,8 +186,8 @@ class TraceSink:
         """The manifest's ``models`` entry of a model the hooks serve (target, draft)."""
         with self._lock:
             self._changes += 1
-            self._m["models"][name] = {"architecture": None, "detected_by": None, "layers": None,
-                                       "step_source": None, "slot_maps": {}, **facts}
+            self._m["models"][name] = {"architecture": None, "found_by": None, "layers": None,
+                                       "steps_found_by": None, "slot_maps": {}, **facts}
 
     def add_model_layers(self, name: str, layers) -> None:
         with self._lock:
@@ -197,7 +197,7 @@ class TraceSink:
                 entry["layers"] = sorted(set(entry.get("layers") or []) | {int(x) for x in layers})
 
     def count_slot_map(self, model: str, how: str) -> None:
-        """One more capture whose slots were mapped by `how` (hooks.slots sources)."""
+        """One more capture whose slots were mapped by `how` (hooks.slots: SlotMap.found_by)."""
         with self._lock:
             self._changes += 1
             entry = self._m["models"].setdefault(model, {"slot_maps": {}})

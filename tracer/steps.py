@@ -20,7 +20,7 @@ class LayerOrderSteps:
     inside layer L's forward, before its forward hook: the load advances the counter
     and the hook of the same layer does not advance it again."""
 
-    source = "layer-order"
+    found_by = "layer-order"
 
     def __init__(self):
         self.step = 0
@@ -50,9 +50,9 @@ class ServerSteps:
     ``forward_pass_id`` when elastic EP recovers ranks; every rank at once): steps keep
     increasing past such a reset, by the same offset on every rank."""
 
-    def __init__(self, read: Callable[[], int], source: str):
+    def __init__(self, read: Callable[[], int], found_by: str):
         self.read = read
-        self.source = source
+        self.found_by = found_by
         self._offset = 0
         self._last_raw: int | None = None
         self._last: int | None = None
@@ -66,6 +66,6 @@ class ServerSteps:
         return self._last
 
 
-def step_counter(read: Callable[[], int] | None = None, source: str = "layer-order"):
+def step_counter(read: Callable[[], int] | None = None, found_by: str = "layer-order"):
     """The counter for one model: the server's (`read`) when it has one, else layer order."""
-    return LayerOrderSteps() if read is None else ServerSteps(read, source)
+    return LayerOrderSteps() if read is None else ServerSteps(read, found_by)

@@ -36,9 +36,9 @@ def installed_root(dist: str, side_dir: str | Path | None = None) -> Path | None
 
 def fork_root() -> Path | None:
     """The folder holding the KT fork's ``sglang/`` files: $MOETRACE_FORK_PATH (a
-    ``pip --target`` folder), else the side folders conform uses (conform.source:
+    ``pip --target`` folder), else the side folders conform uses (conform.fork:
     $MOETRACE_KT_SIDE, the venv's kt-side, where the Makefile installs sglang-kt)."""
-    from moetrace.conform.source import side_dirs
+    from moetrace.conform.fork import side_dirs
 
     env = os.environ.get("MOETRACE_FORK_PATH")
     for d in [env] if env else side_dirs():
