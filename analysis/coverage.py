@@ -36,7 +36,7 @@ class Analysis:
         idx.lkey = idx.model * top + idx.layer
         c["lkey"] = c["model"].astype(np.int64) * top + c["layer"]
         self.lookup = KeyLookup(idx, len(data.tensors))
-        self.v: Verdicts = classify(data, idx, self.lookup)
+        self.verdicts: Verdicts = classify(data, idx, self.lookup)
         self._unreproduced()
         self._loads()
         self._coverage()
@@ -47,7 +47,7 @@ class Analysis:
         """Rows the index has no way to check, by reason (the report says why, and the
         trace cannot pass): a draft model the checkpoint side left out, a fused shared
         expert the checkpoint's shared expert cannot stand for. Never divergences."""
-        c, v, idx = self.data.cols, self.v, self.idx
+        c, v, idx = self.data.cols, self.verdicts, self.idx
         self.unreproduced: dict[str, int] = {}
         draft = self.data.models.code("draft")
         is_draft = c["model"] == draft
@@ -68,7 +68,7 @@ class Analysis:
     # -- loads ---------------------------------------------------------------
 
     def _loads(self) -> None:
-        c, v = self.data.cols, self.v
+        c, v = self.data.cols, self.verdicts
         n = self.data.n
         scope = v.verdict != OUT_OF_SCOPE
         self.scope = scope
@@ -117,7 +117,7 @@ class Analysis:
         return kinds
 
     def _coverage(self) -> None:
-        c, v, L = self.data.cols, self.v, self.loads
+        c, v, L = self.data.cols, self.verdicts, self.loads
         nl = len(L)
         for k in ("expected", "captured", "missing", "duplicates"):
             L[k] = 0
@@ -245,7 +245,7 @@ class Analysis:
     # -- helpers -------------------------------------------------------------
 
     def divergent_rows(self) -> np.ndarray:
-        vv = self.v.verdict
+        vv = self.verdicts.verdict
         return np.flatnonzero((vv != MATCH) & (vv != OUT_OF_SCOPE))
 
     def order_rows(self, rows: np.ndarray) -> np.ndarray:

@@ -42,10 +42,10 @@ def _frame(data: TraceData, tensor_names: list[str], a: Analysis | None) -> pd.D
         "transport_position": c["transport_position"], "copy_position": c["copy_position"], "hi": c["hi"], "lo": c["lo"],
     })
     if a is not None:
-        df["verdict"] = a.v.verdict
-        df["k"] = a.v.k
-        f = np.maximum(a.v.found, 0)
-        df["found_rank"] = np.where(a.v.found >= 0, a.idx.rank[f], -1)
+        df["verdict"] = a.verdicts.verdict
+        df["k"] = a.verdicts.k
+        f = np.maximum(a.verdicts.found, 0)
+        df["found_rank"] = np.where(a.verdicts.found >= 0, a.idx.rank[f], -1)
         df = df[df["verdict"] != OUT_OF_SCOPE]
     return df.drop_duplicates(KEY, keep="first")
 
@@ -128,7 +128,7 @@ def diff(run_a: Sequence[str] | str, run_b: Sequence[str] | str, index: str | No
     }
     if with_verdicts:
         for side, an in (("a", aa), ("b", ab)):
-            vv = an.v.verdict[an.v.verdict != OUT_OF_SCOPE]
+            vv = an.verdicts.verdict[an.verdicts.verdict != OUT_OF_SCOPE]
             doc[side]["by_verdict"] = {VERDICTS[i]: int(n) for i, n in enumerate(np.bincount(vv.astype(np.int64), minlength=len(VERDICTS))) if n}
             doc[side]["match"] = int((vv == MATCH).sum())
             doc[side]["rows"] = int(len(vv))

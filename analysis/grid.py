@@ -35,7 +35,7 @@ _BY_SEVERITY = sorted(SEVERITY, key=SEVERITY.get)
 def build_grid(a: Analysis, drows: np.ndarray) -> Grid | None:
     """Worst verdict per (run, rank, layer, expert) cell; None without runs. A draft's
     layers are rows of their own ("draft 0"), after the target's."""
-    d, c, v, idx, L = a.data, a.data.cols, a.v, a.idx, a.loads
+    d, c, v, idx, L = a.data, a.data.cols, a.verdicts, a.idx, a.loads
     if not len(d.runs):
         return None
     lkeys = np.unique(np.concatenate([idx.lkey, L["lkey"].to_numpy().astype(np.int64)]))

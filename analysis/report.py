@@ -48,7 +48,7 @@ class Report:
 
 
 def _verdict_counts(a: Analysis) -> np.ndarray:
-    vv, scope, L = a.v.verdict, a.scope, a.loads
+    vv, scope, L = a.verdicts.verdict, a.scope, a.loads
     counts = np.bincount(vv[scope].astype(np.int64), minlength=len(VERDICTS)) if scope.any() else np.zeros(len(VERDICTS), np.int64)
     missing_in_loads = int(L["missing"].sum()) if len(L) else 0
     missing_loads_entries = int(a.missing_loads["expected"].sum()) if len(a.missing_loads) else 0
@@ -139,7 +139,7 @@ def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> li
 
 
 def _trace_problems(a: Analysis, counts: np.ndarray, incomplete: list[str], warnings: list[str]) -> None:
-    d, v, L = a.data, a.v, a.loads
+    d, v, L = a.data, a.verdicts, a.loads
     for p, why in d.skipped_parts:
         warnings.append(f"skipped unreadable part {p}: {why}")
     if d.skipped_parts:
@@ -172,7 +172,7 @@ def _trace_problems(a: Analysis, counts: np.ndarray, incomplete: list[str], warn
 
 def _first_divergence(a: Analysis, drows: np.ndarray, multi_run: bool) -> list[dict]:
     """Per run: every entry of the first diverging (step, layer, source, position, tensor)."""
-    d, c, v = a.data, a.data.cols, a.v
+    d, c, v = a.data, a.data.cols, a.verdicts
     out = []
     for run in d.runs:
         rc = d.run_ids.code(run.run_id)

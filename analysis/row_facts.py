@@ -89,7 +89,7 @@ def _facts(a: Analysis, ix: np.ndarray) -> RowFacts:
     f.experts = _distinct(col["expert"])
     f.tensors = {d.tensors.names[t] for t in _uniq(col["tensor"]).tolist()}
     f.sources = {SOURCES[x] for x in _uniq(col["source"]).tolist()}
-    verdict = a.v.verdict[ix]
+    verdict = a.verdicts.verdict[ix]
     is_match = verdict == MATCH
     for word, bad in (("match", (col["online"] == ONLINE.index("match")) & ~is_match & (verdict != OUT_OF_SCOPE)),
                       ("mismatch", (col["online"] == ONLINE.index("mismatch")) & is_match)):
@@ -141,7 +141,7 @@ def _conflicts(d, col: dict, event: np.ndarray) -> list[str]:
 def index_contradictions(a: Analysis) -> list[str]:
     """Rows whose dtype, byte size or per-expert shape is not what the index holds for their
     (model, tensor): the trace describes tensors the index does not (one phrase per kind)."""
-    d, c, idx, v = a.data, a.data.cols, a.idx, a.v
+    d, c, idx, v = a.data, a.data.cols, a.idx, a.verdicts
     out = []
     rows = np.flatnonzero(v.pos >= 0)
     if len(rows):

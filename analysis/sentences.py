@@ -82,7 +82,7 @@ def torn_desc(ranges: list[dict]) -> str:
 
 def row_doc(a, i: int) -> dict:
     """The JSON document of trace row i of Analysis `a`, with its sentence."""
-    c, v, idx, d = a.data.cols, a.v, a.idx, a.data
+    c, v, idx, d = a.data.cols, a.verdicts, a.idx, a.data
     code = int(v.verdict[i])
     doc = {
         "run_id": d.run_ids.names[int(c["run"][i])],

@@ -15,7 +15,7 @@ from moetrace.tracer.manifest import label_key
 def load_summaries(a: Analysis, drows: np.ndarray, multi_source: bool, multi_run: bool) -> list[dict]:
     """One summary per (load, tensor kind) with a divergent or missing entry, e.g.
     "rank 1, layer 0, step 3 (staged): 253/256 w2_weight_scale_inv are E+2"."""
-    d, c, v, idx, L = a.data, a.data.cols, a.v, a.idx, a.loads
+    d, c, v, idx, L = a.data, a.data.cols, a.verdicts, a.idx, a.loads
     names = d.tensors
     parts = []
     if len(drows):

@@ -110,9 +110,9 @@ def make_hook(config: dict | None):
     except Exception as err:
         tracer.record_error("model_identity", err)
         model = "target"
-    if tracer.guard is not None and tracer.guard.expectation is not None and model == "target" and reg is not None:
+    if tracer.guard is not None and tracer.guard.expected is not None and model == "target" and reg is not None:
         try:  # the index of another checkpoint would fail every compare: unverified, said once
-            tracer.guard.misfit(checkpoint_misfit(tracer.guard.expectation.meta, model_path_of(reg.runner)))
+            tracer.guard.misfit(checkpoint_misfit(tracer.guard.expected.meta, model_path_of(reg.runner)))
         except Exception as err:
             tracer.record_error("guard_fit", err)
     try:

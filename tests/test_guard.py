@@ -67,18 +67,18 @@ def _context_class():
 
 
 def test_device_compare_of_chunk_digests():
-    """Expectation.compare flags a row by its chunk digests against the index's (expected
+    """ExpectedDigests.compare flags a row by its chunk digests against the index's (expected
     from fingerprint_rows of the checkpoint's bytes): an equal row matches, one flipped byte
     in a short last chunk mismatches, a row of another length mismatches, an expert the
     index lacks is unverified, and a reordered expert list is looked up by expert id."""
-    from moetrace.tracer.expectation import MATCH, MISMATCH, UNVERIFIED, Expectation, Table
+    from moetrace.tracer.expected import MATCH, MISMATCH, UNVERIFIED, ExpectedDigests, Table
 
     g = torch.Generator().manual_seed(3)
     nbytes = 2 * fp.CHUNK_BYTES + 5
     want = torch.randint(0, 256, (3, nbytes), dtype=torch.uint8, generator=g)
     fps = fp.fingerprint_rows(want, "xxhash")
     chunks = torch.from_numpy(np.frombuffer(b"".join(f.chunk_digests for f in fps), np.uint8).reshape(3, -1, 16).copy())
-    exp = Expectation("idx", 0, 0, torch.device("cpu"), None, None,
+    exp = ExpectedDigests("idx", 0, 0, torch.device("cpu"), None, None,
                       {("target", 0, "w2_weight"): Table(chunks, nbytes, {10: 0, 11: 1, 12: 2}, {})})
     got = want.clone()
     got[1, -1] ^= 1

@@ -115,8 +115,8 @@ class Tracer:
             from moetrace.tracer.guard import Guard  # prometheus-client and the device tables: guard only
 
             self.guard = Guard(config, self.tp_rank, self.tp_size, self.sink, self.sink.counters)
-            if self.guard.expectation is not None and checkpoint_id is None:
-                self.sink.update(checkpoint_id=self.guard.expectation.checkpoint_id)
+            if self.guard.expected is not None and checkpoint_id is None:
+                self.sink.update(checkpoint_id=self.guard.expected.checkpoint_id)
         if self.verifier is not None and not len(self.verifier):
             self.sink.note(f"index {config.index} has no rows: nothing is verified online")
         self._sync_verify = self.verifier is not None and config.dump_max_count > 0

@@ -53,7 +53,7 @@ class Table:
 
 
 @dataclass
-class Expectation:
+class ExpectedDigests:
     """This rank's expected digests per (model, layer, tensor), on one device."""
 
     path: str
@@ -80,13 +80,13 @@ class Expectation:
                 n += min(rows, held[layer]) if held and layer in held else rows
         return n
 
-    def on(self, device: torch.device) -> "Expectation":
+    def on(self, device: torch.device) -> "ExpectedDigests":
         """The same tables on another device (a capture on an unexpected device; once)."""
         if device == self.device:
             return self
         tables = {k: Table(t.chunks.to(device), t.nbytes, t.row_of, t.digest_of)
                   for k, t in self.tables.items()}
-        return Expectation(self.path, self.tp_rank, self.moe_tp_rank, device, self.checkpoint_id,
+        return ExpectedDigests(self.path, self.tp_rank, self.moe_tp_rank, device, self.checkpoint_id,
                            self.checkpoint_path, tables, self.meta)
 
     def compare(self, where: tuple[str, int], tensor: str, experts: tuple[int, ...], chunks: torch.Tensor,
@@ -117,7 +117,7 @@ def guard_device() -> torch.device:
     return torch.device("cpu")
 
 
-def load_expectation(path: str, tp_rank: int, device: torch.device) -> Expectation:
+def load_expected(path: str, tp_rank: int, device: torch.device) -> ExpectedDigests:
     """The rows of this rank's moe_tp_rank (tp_rank % the index's moe_tp_size, as SGLang
     places TP ranks) as device tables. MoetraceError (one line) when the index is
     unreadable, lacks chunk digests, or holds nothing for this rank."""
@@ -148,5 +148,5 @@ def load_expectation(path: str, tp_rank: int, device: torch.device) -> Expectati
         chunks = np.frombuffer(b"".join(c for _, _, _, c in rows), dtype=np.uint8).reshape(len(rows), -1, DIGEST_BYTES)
         tables[key] = Table(torch.from_numpy(chunks.copy()).to(device), nbytes,
                             {e: i for i, (e, _, _, _) in enumerate(rows)}, {e: d for e, _, d, _ in rows})
-    return Expectation(str(path), int(tp_rank), moe_tp_rank, device, ids[0] if len(ids) == 1 else None,
+    return ExpectedDigests(str(path), int(tp_rank), moe_tp_rank, device, ids[0] if len(ids) == 1 else None,
                        meta.get("checkpoint_path"), tables, meta)

@@ -3,7 +3,7 @@ the rank's device against the index, one small result per load brought to the ho
 
 Per capture event (a KT staged load, a resident FusedMoE forward whose weights are not
 provably unchanged): the chunk digests of every tensor are computed on the device
-and compared there with this rank's expected chunk digests (tracer.expectation); the flags
+and compared there with this rank's expected chunk digests (tracer.expected); the flags
 of the whole load come back in ONE device-to-host copy. Mismatching rows still become
 full trace rows (chunk digests, capped dumps); matching rows only with
 ``guard_rows: all``. Actions on a mismatch: ``record`` (counts, trace rows, one warning),
@@ -25,7 +25,7 @@ from moetrace.fingerprint import finalize, row_chunk_digests
 from moetrace.schema import format_ids
 from moetrace.tracer.batch import CaptureEvent, CapturedTensor
 from moetrace.tracer import index_fit
-from moetrace.tracer.expectation import MATCH, MISMATCH, UNVERIFIED, VERDICTS, guard_device, load_expectation
+from moetrace.tracer.expected import MATCH, MISMATCH, UNVERIFIED, VERDICTS, guard_device, load_expected
 from moetrace.tracer.manifest import utc_now
 
 log = logging.getLogger("moetrace.guard")
@@ -48,12 +48,12 @@ class Guard:
         self.tp_rank, self.tp_size = int(tp_rank), int(tp_size)
         self.sink = sink
         self._lock = threading.RLock()
-        self.expectation, self.reason, self._generation = None, None, 0
+        self.expected, self.reason, self._generation = None, None, 0
         self._held: dict[tuple[str, int], int] = {}  # (source, target layer) -> slots the last capture held
         self.device = guard_device()
         self.gaps: dict[str, int] = {}  # "<model> layer L tensor" captured, not in the index -> tensors unverified
         self._fitted: set[str] = set()  # layout keys whose fit with the index was checked
-        self._set_expectation(config.index, None)
+        self._set_expected(config.index, None)
         from moetrace.tracer.metrics import GuardMetrics  # prometheus-client only when the guard is on
 
         self.metrics = GuardMetrics(tp_rank, config.metrics_port, counters_of_sink)
@@ -71,34 +71,34 @@ class Guard:
         self._warned = False
         self.publish()
 
-    # ------------------------------------------------------------ the expectation
+    # ------------------------------------------------------------ the expected digests
 
-    def _set_expectation(self, index: str | None, why_none: str | None) -> None:
+    def _set_expected(self, index: str | None, why_none: str | None) -> None:
         with self._lock:
-            self.expectation, self.reason, self._memo = None, why_none, {}
+            self.expected, self.reason, self._memo = None, why_none, {}
             self._generation += 1
             self._expected_per_pass: dict[str, int] = {}  # source -> expected tensors of a pass (lazily)
-            self.gaps = {}  # what the new expectation cannot verify is found again
+            self.gaps = {}  # what the new expected digests cannot verify is found again
             if index is None:
                 return
             try:
-                self.expectation = load_expectation(index, self.tp_rank, self.device)
+                self.expected = load_expected(index, self.tp_rank, self.device)
             except Exception as err:  # unreadable: reported as unverified, never as ok
                 msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 self.reason = f"index unreadable, nothing is verified: {msg}"
                 log.error("moetrace guard on rank %d: %s", self.tp_rank, self.reason)
                 return
             self._fitted = set()
-            self.misfit(index_fit.tp_misfit(self.expectation.meta, self.tp_size))
+            self.misfit(index_fit.tp_misfit(self.expected.meta, self.tp_size))
 
     def misfit(self, why: str | None) -> None:
         """An index that does not fit the server (tracer.index_fit): unverified from now on,
         said once in the log, never a mismatch (fail-closed must not kill a clean server)."""
-        if why is None or self.expectation is None:
+        if why is None or self.expected is None:
             return
         with self._lock:
-            index = self.expectation.path
-            self.expectation, self._memo = None, {}
+            index = self.expected.path
+            self.expected, self._memo = None, {}
             self._generation += 1
             self.reason = f"the index {index} does not fit the server: {why}; nothing is verified"
         log.error("moetrace guard on rank %d: %s", self.tp_rank, self.reason)
@@ -131,14 +131,14 @@ class Guard:
         Raises GuardMismatch (fail-closed) after the rows, counts and manifest are written."""
         t0 = time.perf_counter()
         key = f"{event.source}:{event.model}:{int(event.layer)}"
-        if key not in self._fitted and self.expectation is not None:
+        if key not in self._fitted and self.expected is not None:
             self._fitted.add(key)
             facts = tracer.layout(event.source, event.layer, event.model)  # recorded by the hook just before
-            self.misfit(index_fit.layout_misfit(self.expectation.meta, facts, event.source))
+            self.misfit(index_fit.layout_misfit(self.expected.meta, facts, event.source))
         with self._lock:
-            exp = self.expectation
+            exp = self.expected
             if exp is not None and items and items[0].data.device != exp.device:
-                exp = self.expectation = exp.on(items[0].data.device)
+                exp = self.expected = exp.on(items[0].data.device)
             experts = tuple(event.experts)
             pending, flags_on_device = [], []
             for it in items:
@@ -179,7 +179,7 @@ class Guard:
 
     def _remembered(self, event: CaptureEvent, it: CapturedTensor) -> list[int] | None:
         """The last flags of a resident parameter provably unchanged since (same weights
-        key, same expectation); with guard_rows=all only when its fingerprints are reused too."""
+        key, same expected digests); with guard_rows=all only when its fingerprints are reused too."""
         if event.source != "resident" or it.key is None:
             return None
         found = self._memo.get((*event.where, it.name))
@@ -246,7 +246,7 @@ class Guard:
                 continue
             counts[(label, it.name)] = c
             fresh_bad += c[1]
-            if c[2] and self.expectation is not None:
+            if c[2] and self.expected is not None:
                 where = f"{'' if event.model == 'target' else event.model + ' '}layer {event.layer} {it.name}"
                 self.gaps[where] = self.gaps.get(where, 0) + c[2]
             for word, n in zip(VERDICTS, c):
@@ -267,7 +267,7 @@ class Guard:
         if bad:
             n = sum(flags.count(MISMATCH) for _, flags, _, _ in results)
             what = "staged load" if event.source == "staged" else "resident weights"
-            index = self.expectation.path if self.expectation is not None else self.config.index
+            index = self.expected.path if self.expected is not None else self.config.index
             layer = f"{'' if event.model == 'target' else event.model + ' '}layer {event.layer}"
             message = (f"moetrace guard: rank {self.sink.label} step {event.step} {layer} {what}: "
                        f"{n} tensor{'s do' if n > 1 else ' does'} not match the index {index} ({'; '.join(bad)})")
@@ -297,19 +297,19 @@ class Guard:
         rows.update(verified_rows)
         missed.update(unverified_rows)  # captured, never compared: counted against coverage
         self._pass[event.source] = (event.step, rows, missed)
-        total = self._expected(event.source) if self.expectation is not None else 0
+        total = self._expected_count(event.source) if self.expected is not None else 0
         if total:
             self.coverage[event.source] = round(min(1.0, sum(rows.values()) / (total + sum(missed.values()))), 6)
             self.metrics.pass_coverage(event.source, self.coverage[event.source])
 
-    def _expected(self, source: str) -> int:
+    def _expected_count(self, source: str) -> int:
         """Expected tensors of one pass of `source` (an EP or KT rank holds some of the
         logical experts the index lists: a layer counts the slots its captures held)."""
         n = self._expected_per_pass.get(source)
         if n is None:
             s = self.config.sampling
             held = {layer: k for (src, layer), k in self._held.items() if src == source}
-            n = self._expected_per_pass[source] = self.expectation.expected_in(s.layers, s.experts, s.tensors, held)
+            n = self._expected_per_pass[source] = self.expected.expected_in(s.layers, s.experts, s.tensors, held)
         return n
 
     def _act(self, event: CaptureEvent, message: str) -> None:
@@ -334,19 +334,19 @@ class Guard:
         checkpoint when update_index_dir holds one, else every verdict is unverified."""
         index = self._update_index(model_path) if ok and model_path else None
         if index is not None:
-            self._set_expectation(index, None)
+            self._set_expected(index, None)
         else:
             why = "failed" if not ok else f"loaded {model_path}" if model_path else "wrote new weights"
             hint = (f"no index of {model_path} in {self.config.update_index_dir}" if model_path and
                     self.config.update_index_dir else "no index of the new weights (see update_index_dir)")
-            self._set_expectation(None, f"weights updated ({entry} {why}): {hint}; resident and staged experts "
+            self._set_expected(None, f"weights updated ({entry} {why}): {hint}; resident and staged experts "
                                         "are unverified")
             log.warning("moetrace guard on rank %d: %s", self.tp_rank, self.reason)
-        result = "reverified" if self.expectation is not None else "unverified"
+        result = "reverified" if self.expected is not None else "unverified"
         with self._lock:
             if len(self.updates) < _KEEP:
                 self.updates.append({"at": utc_now(), "entry": entry, "model_path": model_path, "ok": bool(ok),
-                                     "index": index if self.expectation is not None else None})
+                                     "index": index if self.expected is not None else None})
         self.metrics.weight_update(entry, result)
         self.publish()
 
@@ -373,7 +373,7 @@ class Guard:
     # ------------------------------------------------------------ manifest
 
     def manifest(self) -> dict:
-        exp = self.expectation
+        exp = self.expected
         return {
             "action": self.action, "rows": self.rows, "status": self.status, "status_reason": self.status_reason,
             "index": exp.path if exp is not None else self.config.index,
@@ -396,7 +396,7 @@ class Guard:
     def stopped(self, reason: str) -> None:
         """Verification stopped (tracing disabled itself): unverified from now on."""
         with self._lock:
-            self.expectation, self.reason = None, reason
+            self.expected, self.reason = None, reason
         log.error("moetrace guard on rank %d: %s; nothing is verified from now on", self.tp_rank, reason)
         self.publish()
 
