@@ -43,8 +43,10 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	@$(VENV)/bin/moetrace demo
 
+# The linter first (pyproject.toml: imports sorted, line length), then the suite.
 # MOETRACE_REQUIRE_FORK: the tests that run the fork's code fail (not skip) without it.
 test: $(VENV)/.installed
+	@$(VENV)/bin/ruff check .
 	MOETRACE_REQUIRE_FORK=1 $(PY) -m pytest -q
 
 # Every sglang-kt release on the package index, each with its kt-kernel (network; minutes):

@@ -22,7 +22,6 @@ import pyarrow.fs as pafs
 
 from moetrace.errors import MoetraceError
 
-
 REMOTE_TIMEOUT_ENV = "MOETRACE_REMOTE_TIMEOUT"
 DEFAULT_REMOTE_TIMEOUT_S = 20.0
 _remote_timeout: float | None = None  # set_remote_timeout (a command's --remote-timeout) wins over the env

@@ -15,8 +15,13 @@ import pandas as pd
 
 from moetrace.analysis.coverage import Analysis
 from moetrace.analysis.expected import read_expected
-from moetrace.analysis.index_choice import (IndexLayoutMismatch, check_index_fits, check_index_layout, choose_index,
-                                            matching_index)
+from moetrace.analysis.index_choice import (
+    IndexLayoutMismatch,
+    check_index_fits,
+    check_index_layout,
+    choose_index,
+    matching_index,
+)
 from moetrace.analysis.sentences import fmt_int, layer_text
 from moetrace.analysis.trace import TraceData, pair_to_hex, read_trace
 from moetrace.analysis.verdicts import MATCH, OUT_OF_SCOPE, STALE, VERDICTS, WRONG_RANK

@@ -25,8 +25,15 @@ from moetrace.errors import MoetraceError
 from moetrace.fingerprint import FP_VERSION
 from moetrace.schema import MANIFEST_SCHEMA_VERSION, parse_ids, parse_rank_label
 from moetrace.tracer.claim import read_refusals
-from moetrace.tracer.manifest import (MANIFEST_NAME, PART_FILE, RUN_MANIFEST_NAME, check_rank_manifest,
-                                      check_run_manifest, expected_labels, label_key)
+from moetrace.tracer.manifest import (
+    MANIFEST_NAME,
+    PART_FILE,
+    RUN_MANIFEST_NAME,
+    check_rank_manifest,
+    check_run_manifest,
+    expected_labels,
+    label_key,
+)
 
 RANK_DIR = re.compile(r"^rank=([0-9a-z-]+)$")
 

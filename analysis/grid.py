@@ -8,7 +8,18 @@ import numpy as np
 
 from moetrace.analysis.coverage import Analysis
 from moetrace.analysis.verdicts import (
-    CONSTANT, MATCH, MISSING, STALE, TORN, UNEXPECTED, UNKNOWN, VERDICTS, WRONG_LAYER, WRONG_RANK, WRONG_TENSOR, ZEROS,
+    CONSTANT,
+    MATCH,
+    MISSING,
+    STALE,
+    TORN,
+    UNEXPECTED,
+    UNKNOWN,
+    VERDICTS,
+    WRONG_LAYER,
+    WRONG_RANK,
+    WRONG_TENSOR,
+    ZEROS,
 )
 
 

@@ -11,8 +11,8 @@ matching index of the checkpoint it records, when that checkpoint is readable he
 from __future__ import annotations
 
 from moetrace.analysis.expected import IndexData, read_expected
-from moetrace.analysis.trace_layout import TraceLayout, check_params, layout_of_runs, recorded_facts
 from moetrace.analysis.trace import TraceData
+from moetrace.analysis.trace_layout import TraceLayout, check_params, layout_of_runs, recorded_facts
 from moetrace.checkpoints.index_build import cached_index
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.errors import MoetraceError

@@ -6,11 +6,21 @@ import os
 
 import numpy as np
 
+from moetrace import outputs
 from moetrace.analysis.report import Report
 from moetrace.analysis.verdicts import (
-    CONSTANT, MATCH, MISSING, STALE, TORN, UNEXPECTED, UNKNOWN, WRONG_LAYER, WRONG_RANK, WRONG_TENSOR, ZEROS,
+    CONSTANT,
+    MATCH,
+    MISSING,
+    STALE,
+    TORN,
+    UNEXPECTED,
+    UNKNOWN,
+    WRONG_LAYER,
+    WRONG_RANK,
+    WRONG_TENSOR,
+    ZEROS,
 )
-from moetrace import outputs
 from moetrace.errors import MoetraceError
 
 COLORS = {

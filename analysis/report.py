@@ -18,16 +18,21 @@ from moetrace import __version__
 from moetrace.analysis.coverage import Analysis
 from moetrace.analysis.expected import read_expected
 from moetrace.analysis.grid import Grid, build_grid
-from moetrace.analysis.index_choice import (IndexLayoutMismatch, check_index_fits, check_index_layout, choose_index,
-                                            matching_index)
+from moetrace.analysis.index_choice import (
+    IndexLayoutMismatch,
+    check_index_fits,
+    check_index_layout,
+    choose_index,
+    matching_index,
+)
+from moetrace.analysis.row_check import RowFacts, rows_problems
+from moetrace.analysis.row_facts import index_contradictions, row_facts
 from moetrace.analysis.sentences import fmt_int, row_doc, sentence
 from moetrace.analysis.summaries import load_summaries
 from moetrace.analysis.trace import read_trace
 from moetrace.analysis.verdicts import MATCH, MISSING, OUT_OF_SCOPE, VERDICTS
 from moetrace.errors import ExitCode, MoetraceError
 from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES, format_ids, parse_rank_label
-from moetrace.analysis.row_check import RowFacts, rows_problems
-from moetrace.analysis.row_facts import index_contradictions, row_facts
 from moetrace.tracer.claim import refusal_problem
 from moetrace.tracer.completeness import guard_vouches, rank_problems, run_file_problems
 from moetrace.tracer.manifest import label_key

@@ -11,10 +11,10 @@ import numpy as np
 import pandas as pd
 
 from moetrace.analysis.coverage import Analysis
+from moetrace.analysis.row_check import RowFacts
 from moetrace.analysis.trace import ONLINE
 from moetrace.analysis.verdicts import MATCH, OUT_OF_SCOPE
 from moetrace.schema import SOURCES
-from moetrace.analysis.row_check import RowFacts
 from moetrace.tracer.manifest import layout_key
 
 MAX_CONFLICTS = 3  # slot conflicts named per rank (the count says the rest)

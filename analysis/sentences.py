@@ -12,10 +12,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from moetrace.analysis.verdicts import (
-    CONSTANT, MATCH, MISSING, STALE, TORN, UNEXPECTED, UNKNOWN, VERDICTS, WRONG_LAYER, WRONG_RANK, WRONG_TENSOR, ZEROS,
-)
 from moetrace.analysis.trace import pair_to_hex
+from moetrace.analysis.verdicts import (
+    CONSTANT,
+    MATCH,
+    MISSING,
+    STALE,
+    TORN,
+    UNEXPECTED,
+    UNKNOWN,
+    VERDICTS,
+    WRONG_LAYER,
+    WRONG_RANK,
+    WRONG_TENSOR,
+    ZEROS,
+)
 from moetrace.schema import SOURCES, format_ids
 
 

@@ -27,7 +27,6 @@ import tempfile
 import torch
 
 from moetrace.jobs.timing import cpu_description, interleaved, median, median_ratio
-
 from moetrace.tracer.capture import Tracer
 from moetrace.tracer.config import TraceConfig
 

@@ -16,8 +16,13 @@ import torch
 from moetrace.checkpoints.index import INDEX_META_KEY, write_index
 from moetrace.fingerprint import CHUNK_BYTES, FP_VERSION, fingerprint, tensor_digest
 from moetrace.schema import COPY_ORDERS, INDEX_SCHEMA, INDEX_SCHEMA_VERSION, TRACE_SCHEMA, TRACE_SCHEMA_VERSION
-from moetrace.tracer.manifest import MANIFEST_NAME, RUN_MANIFEST_NAME, new_rank_manifest, new_run_manifest, rank_dir_name
-
+from moetrace.tracer.manifest import (
+    MANIFEST_NAME,
+    RUN_MANIFEST_NAME,
+    new_rank_manifest,
+    new_run_manifest,
+    rank_dir_name,
+)
 
 BENCH_SHAPES = {  # Qwen3.5-122B-A10B, TP2: hidden 3072, I_tp 512, fp8 block 128
     "w13_weight": ((1024, 3072), "float8_e4m3fn", 1),

@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moetrace import __version__
+from moetrace import __version__, outputs
 from moetrace import fingerprint as fpdef
-from moetrace import outputs
 from moetrace.checkpoints import index_cache
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
@@ -196,7 +195,6 @@ def build_index(
 
     progress(n) is called with the number of (model, layer, moe_tp_rank) units finished.
     """
-    import torch
 
     from moetrace.checkpoints.shards import Parallel, validate_moe_tp
 

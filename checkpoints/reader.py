@@ -14,7 +14,6 @@ import hashlib
 import json
 import math
 import os
-import re
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,8 +22,14 @@ from safetensors import safe_open
 
 from moetrace.checkpoints.extra import DRAFT_PREFIX, draft_spec, shared_expert_count
 from moetrace.checkpoints.safetensors_file import DTYPE_BYTES, TensorInfo, host_copy, read_header, torch_dtypes
-from moetrace.checkpoints.spec import (MoESpec, check_expert_coverage, expected_header, expert_tensor_pattern,
-                                      is_ignored, spec_from_config)
+from moetrace.checkpoints.spec import (
+    MoESpec,
+    check_expert_coverage,
+    expected_header,
+    expert_tensor_pattern,
+    is_ignored,
+    spec_from_config,
+)
 from moetrace.errors import MoetraceError
 
 if TYPE_CHECKING:  # torch loads when tensors are read: headers, identities and specs need none

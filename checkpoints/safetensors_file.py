@@ -4,12 +4,11 @@ fails with a one-line error naming it; and byte-level copies of what is read fro
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-
-import functools
 from typing import TYPE_CHECKING
 
 import numpy as np

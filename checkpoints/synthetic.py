@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from moetrace.checkpoints.quant_config import QUANT_METHODS, scale_suffix
 from moetrace import outputs
+from moetrace.checkpoints.quant_config import QUANT_METHODS, scale_suffix
 from moetrace.checkpoints.spec import FAMILIES, FORMATS, FUSED_NOT_MAPPED
 from moetrace.errors import MoetraceError
 

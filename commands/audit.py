@@ -7,8 +7,7 @@ import sys
 
 import click
 
-from moetrace.commands.options import (Seconds, analysis_options, capture_option, command, progress, stderr,
-                                       stop_options)
+from moetrace.commands.options import Seconds, analysis_options, capture_option, command, progress, stderr, stop_options
 
 EXAMPLES = (
     "moetrace audit /data/traces/nightly --checkpoint ./Qwen3.5-122B-A10B-FP8 --junit audit.xml",

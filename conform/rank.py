@@ -194,7 +194,8 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
              contexts: list) -> CaseFacts:
     from moetrace.checkpoints.reader import open_checkpoint
     from moetrace.checkpoints.shards import Parallel, expected_layer
-    from moetrace.conform import env as fork_env, fence, fork, slow_peer
+    from moetrace.conform import env as fork_env
+    from moetrace.conform import fence, fork, slow_peer
     from moetrace.hooks.sglang_hook import make_hook
 
     world, t = job.tp, {"start": time.perf_counter()}
@@ -316,7 +317,8 @@ def rank_main(rank: int, job: RankJob) -> None:
     try:
         if job.kt_path and job.kt_path not in sys.path:
             sys.path.append(job.kt_path)
-        from moetrace.conform import env as fork_env, sim_cuda, slow_peer
+        from moetrace.conform import env as fork_env
+        from moetrace.conform import sim_cuda, slow_peer
 
         fork_env.block_sglang_imports()
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -338,9 +340,8 @@ def rank_main(rank: int, job: RankJob) -> None:
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as err:
-        from moetrace.errors import MoetraceError
-
         from moetrace.conform.fork import ForkError
+        from moetrace.errors import MoetraceError
 
         kind = ("layout" if isinstance(err, ForkError) else "refused" if isinstance(err, MoetraceError) else
                 "timeout" if type(err).__name__ == "SimTimeout" else

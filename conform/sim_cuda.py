@@ -21,7 +21,6 @@ from collections import deque
 import torch
 from torch.overrides import TorchFunctionMode
 
-
 QUIET = 1 << 62  # an idle stream is quiet at every schedule version
 
 

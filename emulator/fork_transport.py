@@ -106,9 +106,11 @@ def build_fork_transport(cfg, prefix: str, rank: int, world: int, gpu_layer, wei
                          mask: torch.Tensor | None) -> ForkTransport:
     """Collective: every rank compiles the fork's class, builds its context around
     ``gpu_layer`` (the fork's own host-slot setup) and rank 0 its writers."""
-    from moetrace.conform import env as fork_env, fence, rank as fork_rank, sim_cuda, slow_peer
-    from moetrace.conform.requirements import derive
+    from moetrace.conform import env as fork_env
+    from moetrace.conform import fence, sim_cuda, slow_peer
+    from moetrace.conform import rank as fork_rank
     from moetrace.conform.fork import compile_fork, find_fork, find_kt_kernel
+    from moetrace.conform.requirements import derive
 
     # kt-kernel prints from C++ (also at exit): to stderr, so the rank never writes the
     # command's stdout (demo --json).

@@ -110,8 +110,8 @@ def _snapshot(cfg: EmulatorConfig, state: RankState, ctx, layer_idx: int) -> Non
 
 def build(job: RankJob, state: RankState, with_model: bool = True) -> None:
     from moetrace.emulator.model import EmulatedFusedMoE, KTEPWrapperMethod, build_model
-    from moetrace.emulator.weights import open_weights
     from moetrace.emulator.staging import SharedFullContext, make_wrappers, open_runtime, slot_layout
+    from moetrace.emulator.weights import open_weights
 
     cfg, rank, world, device = job.cfg, state.rank, state.world, state.device
     weights = state.weights = open_weights(cfg.weights, world)

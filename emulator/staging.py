@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moetrace.conform.writer import KTWrapperStandIn, NativeWriter
 from moetrace.emulator.config import WEIGHT_NAMES_FP8
 from moetrace.emulator.copy_engine import CopyEngine
 from moetrace.emulator.shm import Control, HostSlots, SlotLayout
-from moetrace.conform.writer import KTWrapperStandIn, NativeWriter
 from moetrace.emulator.writer import SlotIndex, WriteGate
 
 

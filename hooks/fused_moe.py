@@ -17,9 +17,9 @@ from moetrace.hooks.layout_facts import layout_facts
 from moetrace.hooks.ranks import module_ranks
 from moetrace.hooks.registration import model_of
 from moetrace.hooks.slots import UNUSED, SlotMapError, read_slot_map
-from moetrace.tracer.guard import GuardMismatch
-from moetrace.tracer.capture import Tracer, cuda_graph_capturing
 from moetrace.schema import TENSOR_NAMES
+from moetrace.tracer.capture import Tracer, cuda_graph_capturing
+from moetrace.tracer.guard import GuardMismatch
 
 LAYER_ATTRS = ("layer_id", "layer_idx", "layer_number")
 

@@ -29,8 +29,8 @@ from moetrace.hooks.fused_moe import expert_tensors
 from moetrace.hooks.layout_facts import kt_format, layout_facts
 from moetrace.hooks.ranks import module_ranks
 from moetrace.hooks.registration import model_of
-from moetrace.tracer.guard import GuardMismatch
 from moetrace.tracer.capture import Tracer
+from moetrace.tracer.guard import GuardMismatch
 
 log = logging.getLogger("moetrace.kt")
 

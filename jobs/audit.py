@@ -10,13 +10,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+from moetrace import outputs
 from moetrace.analysis import render
 from moetrace.analysis.plot import missing_plotter, plot_format, plot_unusable
 from moetrace.analysis.plot import plot as make_plot
 from moetrace.analysis.report import Report, analyze
 from moetrace.checkpoints.index import index_metadata
 from moetrace.checkpoints.reader import open_checkpoint
-from moetrace import outputs
 from moetrace.errors import ExitCode, MoetraceError
 from moetrace.jobs.progress import Progress
 from moetrace.jobs.traffic import Traffic, launch_and_drive

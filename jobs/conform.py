@@ -26,6 +26,7 @@ from moetrace.errors import ExitCode, MoetraceError
 from moetrace.jobs.conform_plan import Case, Plan, check_case, plan_case
 from moetrace.jobs.conform_ranks import group_of, run_group, work_folder
 
+
 @dataclass
 class ConformResult:
     case: Case

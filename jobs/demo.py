@@ -23,6 +23,7 @@ from moetrace.errors import ExitCode
 from moetrace.jobs.pair import FULL, QUICK, fresh_workdir, run_pair
 from moetrace.jobs.progress import Progress
 
+
 def _write_reports(run_id: str, report, reports: Path, with_plot: bool) -> dict:
     """This run's reports (the work folder was emptied first: none of an earlier run is left)."""
     from moetrace.analysis import plot, render

@@ -85,10 +85,10 @@ def fresh_workdir(workdir: Path) -> Iterator[Path]:
 
 
 def _prepare(workdir: Path, size: PairSize, progress: Progress) -> tuple[Path, Path, str]:
-    from moetrace.checkpoints.reader import open_checkpoint
-    from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
     from moetrace.checkpoints.index import write_index
     from moetrace.checkpoints.index_build import build_index
+    from moetrace.checkpoints.reader import open_checkpoint
+    from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
 
     ckpt = workdir / "checkpoint"
     with progress.step(f"writing a synthetic Qwen3.5 FP8 checkpoint ({size.layers} MoE layers x {size.experts} "

@@ -26,12 +26,13 @@ from typing import Callable
 import numpy as np
 import torch
 
+from moetrace import fingerprint as F
 from moetrace.errors import ExitCode
 from moetrace.jobs import pair
 from moetrace.jobs.progress import Progress
 from moetrace.jobs.timing import best_of
-from moetrace import fingerprint as F
 from moetrace.schema import dtype_name
+
 
 @dataclass
 class Proof:

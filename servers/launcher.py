@@ -23,7 +23,6 @@ summary line.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -32,17 +31,25 @@ import tempfile
 import time
 from typing import Callable, Sequence
 
-from moetrace.errors import MoetraceError
-from moetrace.schema import parse_rank_label
-from moetrace.servers.command import (FLAG_CHOICES, LEGACY_CUDA_GRAPH_FLAGS, MODEL_FLAGS, build_command,
-                                      cuda_graph_flags_for, expected_tp, flag_value, invokes_sglang,
-                                      server_distribution)
-from moetrace.servers.process_group import ServerGroup
-from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec, index_fits
-from moetrace.tracer.config import check_metrics_ports
 from moetrace import outputs, storage
+from moetrace.errors import MoetraceError
+from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec, index_fits
+from moetrace.schema import parse_rank_label
+from moetrace.servers.command import (
+    FLAG_CHOICES,
+    LEGACY_CUDA_GRAPH_FLAGS,
+    MODEL_FLAGS,
+    build_command,
+    cuda_graph_flags_for,
+    expected_tp,
+    flag_value,
+    invokes_sglang,
+    server_distribution,
+)
+from moetrace.servers.process_group import ServerGroup
 from moetrace.tracer.claim import read_refusals
 from moetrace.tracer.completeness import run_problems
+from moetrace.tracer.config import check_metrics_ports
 from moetrace.tracer.manifest import (
     RUN_MANIFEST_NAME,
     common_value,
@@ -53,6 +60,7 @@ from moetrace.tracer.manifest import (
     read_manifests,
     utc_now,
 )
+
 
 def rank_summary(manifests: dict[str, dict], expected_ranks: int | None) -> list[dict]:
     """One entry per expected rank (every TP rank of every stage and replica the

@@ -9,12 +9,11 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from support.cli import cli, one_line_error
+from support.traces import SMALL_MOE, CheckpointModel, write_scenario
 
 from moetrace.analysis.report import analyze
 from moetrace.errors import MoetraceError
-from support.traces import SMALL_MOE, CheckpointModel, write_scenario
-from support.cli import cli, one_line_error
-
 
 SIZES = SMALL_MOE  # small: these tests are about input handling, not shards
 

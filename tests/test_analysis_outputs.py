@@ -9,9 +9,8 @@ import shutil
 import xml.etree.ElementTree as ET
 
 import pytest
-
-from support.traces import CheckpointModel, write_scenario
 from support.cli import cli
+from support.traces import CheckpointModel, write_scenario
 
 STEPS = [0, 1, 2]
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from synthetic_trace import write_bench
 
 from moetrace.analysis.report import analyze
 from moetrace.analysis.trace import digest_columns, pair_to_hex
 from moetrace.analysis.verdicts import constant_candidates, constant_fingerprint, fp_join
 from moetrace.fingerprint import fingerprint
-from synthetic_trace import write_bench
 
 
 def test_fp_join_finds_all_pairs():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.traces import CheckpointModel, capture_load, open_rank, write_run_json, write_scenario
 
 from moetrace.analysis.report import analyze
-from support.traces import CheckpointModel, capture_load, open_rank, write_run_json, write_scenario
 
 STEPS = [0, 1, 2]
 

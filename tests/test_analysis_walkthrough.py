@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
+from support.cli import cli, one_line_error
+from support.traces import CheckpointModel, write_scenario
+from synthetic_trace import write_bench
 
 from moetrace.analysis import render
 from moetrace.analysis.plot import plot
 from moetrace.analysis.report import analyze
 from moetrace.errors import MoetraceError
-from support.traces import CheckpointModel, write_scenario
-from synthetic_trace import write_bench
-from support.cli import cli, one_line_error
 
 STEPS = list(range(13))
 SAME = {(e, "w2_weight_scale_inv"): ("expert", e + 2) for e in range(2)}  # 2/4 are E+2

@@ -11,7 +11,14 @@ import torch
 
 from moetrace.checkpoints.layout import ServerLayout
 from moetrace.checkpoints.reader import open_checkpoint
-from moetrace.checkpoints.shards import Parallel, expected_expert, expected_layer, local_experts, rank_coords, tensor_names
+from moetrace.checkpoints.shards import (
+    Parallel,
+    expected_expert,
+    expected_layer,
+    local_experts,
+    rank_coords,
+    tensor_names,
+)
 from moetrace.checkpoints.synthetic import synthetic_values as sv
 from moetrace.errors import MoetraceError
 

@@ -10,11 +10,11 @@ import pkgutil
 
 import click
 from click.testing import CliRunner
+from test_docs import _invocations  # the docs' own check of `moetrace COMMAND --option` lines
 
 import moetrace.commands
 from moetrace.cli import main
 from moetrace.commands.options import Command
-from test_docs import _invocations  # the docs' own check of `moetrace COMMAND --option` lines
 
 
 def _command_modules() -> dict[str, click.Command]:

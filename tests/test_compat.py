@@ -19,6 +19,8 @@ from typing import Callable
 
 import pytest
 import torch
+from support import sglang_loader as sl
+from support.sglang_source import installed_root, load_hook_manager
 
 from moetrace.analysis.report import analyze
 from moetrace.checkpoints.reader import open_checkpoint
@@ -26,8 +28,6 @@ from moetrace.errors import MoetraceError
 from moetrace.hooks import sglang_hook
 from moetrace.hooks.spec import hook_spec
 from moetrace.tracer.manifest import read_manifests
-from support import sglang_loader as sl
-from support.sglang_source import installed_root, load_hook_manager
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "compat.md"
 CKPT = dict(num_layers=2, num_experts=4, hidden=128, intermediate=256, num_files=1, scale_dtype="bfloat16")

@@ -25,16 +25,15 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from support.traces import read_rows
 
+from moetrace.analysis.sentences import guard_sentence
 from moetrace.cli import main
 from moetrace.conform import fence, releases, requirements, sim_cuda
 from moetrace.conform import fork as fork_source
 from moetrace.conform.rank import signal_words
 from moetrace.jobs.conform import Case, result_doc, result_lines, run_conform
-from moetrace.analysis.sentences import guard_sentence
 from moetrace.schema import COPY_ORDERS
-
-from support.traces import read_rows
 
 REQUIRE = os.environ.get("MOETRACE_REQUIRE_FORK") == "1"
 E = 6

@@ -76,10 +76,10 @@ def test_the_json_types_come_from_the_annotations():
 def test_the_capture_options_are_the_declaration():
     """hook-spec and launch take every declared capture option, its docstring as its help;
     audit --launch's --out and --run-id are the same options with its own defaults."""
+    import click
+
     from moetrace.cli import main
     from moetrace.tracer.capture_options import CaptureOptions
-
-    import click
 
     docs = field_docs(CaptureOptions)
     assert all(docs.values()), [k for k, v in docs.items() if not v]

@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.cli import cli, one_line_error
 
 from moetrace.analysis import analyze
 from moetrace.jobs import demo
-from support.cli import cli, one_line_error
 
 CLI = [sys.executable, "-m", "moetrace.cli"]
 

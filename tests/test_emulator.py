@@ -15,8 +15,7 @@ import torch
 
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.checkpoints.shards import Parallel, expected_layer
-from moetrace.emulator import reference_outputs, run_emulation
-from moetrace.emulator import shm
+from moetrace.emulator import reference_outputs, run_emulation, shm
 from moetrace.emulator.config import WEIGHT_NAMES_FP8
 from moetrace.emulator.copy_engine import CopyEngine, StagingTimeout
 from moetrace.emulator.engine import normalize_request

@@ -4,8 +4,8 @@ after normal stops and after SIGKILLed ranks (no processes, no /dev/shm segments
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,8 +15,7 @@ import urllib.request
 
 import pytest
 
-from moetrace.emulator import as_config, start_server
-from moetrace.emulator import shm
+from moetrace.emulator import as_config, shm, start_server
 
 
 def _get(url: str, timeout: float = 30):

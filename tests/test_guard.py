@@ -21,6 +21,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from support.guarded import Experts, StagedContext, scrape, shards, total
+from support.traces import read_rows
 
 from moetrace import fingerprint as fp
 from moetrace.checkpoints.index import write_index
@@ -29,12 +31,10 @@ from moetrace.errors import MoetraceError
 from moetrace.hooks import sglang_hook, weight_events
 from moetrace.hooks.kt import KTLoadCapture
 from moetrace.tracer.capture import Tracer
+from moetrace.tracer.completeness import rank_problems
 from moetrace.tracer.config import TraceConfig
 from moetrace.tracer.guard import GuardMismatch
-from moetrace.tracer.completeness import rank_problems
 from moetrace.tracer.manifest import read_manifests
-from support.guarded import Experts, StagedContext, scrape, shards, total
-from support.traces import read_rows
 
 CKPT = dict(num_layers=2, num_experts=8, hidden=128, intermediate=256, seed=3)
 E = 8

@@ -10,6 +10,8 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+from support.cli import cli, one_line_error
+from support.guarded import shards
 
 from moetrace.checkpoints.index import INDEX_META_KEY, write_index
 from moetrace.checkpoints.index_build import build_index
@@ -17,8 +19,6 @@ from moetrace.checkpoints.layout import ServerLayout
 from moetrace.tracer import index_fit
 from moetrace.tracer.capture import Tracer
 from moetrace.tracer.config import TraceConfig
-from support.cli import cli, one_line_error
-from support.guarded import shards
 
 CKPT = dict(num_layers=2, num_experts=8, hidden=128, intermediate=256, seed=3)
 E = 8

@@ -18,10 +18,10 @@ import urllib.error
 import urllib.request
 
 import pytest
+from support.traces import read_rows
 
 from moetrace.checkpoints.index import write_index
 from moetrace.checkpoints.index_build import build_index
-from support.traces import read_rows
 
 pytest.importorskip("psutil")
 if importlib.util.find_spec("sglang") is None:

@@ -18,17 +18,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from support.sglang_source import load_hook_manager
+from support.traces import read_rows as read_trace
 from torch import nn
 
 from moetrace.hooks import sglang_hook
 from moetrace.hooks.kt import GPU_COPIED, transport_positions
-from moetrace.servers.command import build_command, expected_tp
-from moetrace.servers.launcher import Launcher
-from moetrace.servers.command import SPLIT_CUDA_GRAPH_FLAGS
 from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec
+from moetrace.servers.command import SPLIT_CUDA_GRAPH_FLAGS, build_command, expected_tp
+from moetrace.servers.launcher import Launcher
 from moetrace.tracer.manifest import read_manifests
-from support.sglang_source import load_hook_manager
-from support.traces import read_rows as read_trace
 
 CKPT = dict(num_layers=2, num_experts=8, hidden=128, intermediate=256, seed=3)
 # The launch tests wait for every rank to write a part before they stop the server: a part
@@ -457,10 +456,9 @@ def test_every_capture_option_reaches_the_hook_config(small_index, tmp_path):
     says (config keys: docs/capture.md); a renamed config key cannot leave a dead option."""
     from click.testing import CliRunner
 
+    from moetrace.checkpoints.index import index_metadata
     from moetrace.cli import main
     from moetrace.commands.hook_spec import hook_spec_cmd
-
-    from moetrace.checkpoints.index import index_metadata
 
     ident = index_metadata(small_index)["checkpoint_id"]  # another id than the index's is refused (tracer.index_fit)
     given = {"--run-id": "r1", "--checkpoint-id": ident, "--layers": "0", "--experts": "0-3", "--tensors": "w2_weight",

@@ -12,11 +12,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from moetrace.checkpoints import index as ix
+from moetrace.checkpoints import index_build as ixb
 from moetrace.checkpoints.synthetic import synthetic_values
 from moetrace.cli import main
 from moetrace.errors import MoetraceError
-from moetrace.checkpoints import index as ix
-from moetrace.checkpoints import index_build as ixb
 from moetrace.fingerprint import fingerprint
 from moetrace.schema import INDEX_SCHEMA
 
@@ -275,11 +275,12 @@ def test_cache_hit_sample_catches_one_changed_chunk(ckpt, tmp_path, monkeypatch)
     every row changed (digests rehashed to stay consistent) is not the checkpoint's."""
     import random
 
+    import pyarrow as pa
+
+    from moetrace import fingerprint as fpdef
     from moetrace.checkpoints import index_cache
     from moetrace.checkpoints.reader import open_checkpoint
     from moetrace.checkpoints.shards import Parallel
-    from moetrace import fingerprint as fpdef
-    import pyarrow as pa
 
     path = tmp_path / "i.parquet"
     t = ixb.build_index(ckpt, 2)

@@ -8,11 +8,11 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from support.cli import cli, one_line_error
+from support.traces import write_scenario
 
 from moetrace.checkpoints.index import INDEX_META_KEY, read_index, write_index
 from moetrace.errors import MoetraceError
-from support.cli import cli, one_line_error
-from support.traces import write_scenario
 
 
 @pytest.fixture

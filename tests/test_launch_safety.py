@@ -16,14 +16,13 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from support.traces import write_scenario
 
 from moetrace.cli import main
 from moetrace.errors import MoetraceError
+from moetrace.jobs.traffic import Traffic, drive
 from moetrace.servers.launcher import Launcher
 from moetrace.servers.process_group import session_listens, session_members
-from moetrace.jobs.traffic import Traffic, drive
-from support.traces import write_scenario
-
 
 
 def launcher(out, cmd, run_id="X", **kw):
@@ -108,8 +107,9 @@ def test_run_file_with_a_fresh_nonce_is_written_before_the_server_starts(tmp_pat
 
 
 def test_a_folder_mixing_launches_never_passes(small_model, small_index, tmp_path):
-    from moetrace.analysis.report import analyze
     from support.traces import patch_manifest
+
+    from moetrace.analysis.report import analyze
 
     write_scenario(small_model, str(tmp_path), "X", [0])
     assert analyze([str(tmp_path / "X")], index=small_index).exit_code == 0

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import sglang_loader as sl
+from support.sglang_source import fork_root, installed_root
 
 from moetrace.checkpoints.layout_rules import loaded_layout
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.checkpoints.shards import Parallel, expected_layer
 from moetrace.errors import MoetraceError
 from moetrace.hooks.layout_facts import layout_facts
-from support import sglang_loader as sl
-from support.sglang_source import fork_root, installed_root
 
 FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3")
 # (format, quant_method, fused)

@@ -17,10 +17,10 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from support.traces import CheckpointModel
 
 from moetrace import storage
 from moetrace.cli import main
-from support.traces import CheckpointModel
 
 BUCKET = "moetrace-test"
 OUT = f"s3://{BUCKET}/traces"

@@ -15,10 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from support.cli import cli, one_line_error
 from support.traces import write_scenario
-
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from support.cli import cli, one_line_error
 from support.traces import write_scenario
 

@@ -15,14 +15,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors import safe_open
+from support import hf_checkpoints as hf
+from support.cli import cli, one_line_error
 
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.checkpoints.shards import Parallel, expected_experts
 from moetrace.checkpoints.spec import spec_from_config
 from moetrace.errors import MoetraceError
 from moetrace.fingerprint import fingerprint
-from support import hf_checkpoints as hf
-from support.cli import cli, one_line_error
 
 pytest.importorskip("transformers")
 

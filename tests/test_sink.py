@@ -16,17 +16,17 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 import torch
+from support.traces import read_rows as read_trace
 
 from moetrace.errors import MoetraceError
+from moetrace.fingerprint import fingerprint_rows
+from moetrace.schema import TRACE_SCHEMA
 from moetrace.tracer import sink as sink_mod
 from moetrace.tracer.capture import Tracer
-from moetrace.tracer.steps import LayerOrderSteps, ServerSteps
 from moetrace.tracer.config import TraceConfig
-from moetrace.fingerprint import fingerprint_rows
-from moetrace.tracer.sampling import Sampling
-from moetrace.schema import TRACE_SCHEMA
 from moetrace.tracer.manifest import read_manifests
-from support.traces import read_rows as read_trace
+from moetrace.tracer.sampling import Sampling
+from moetrace.tracer.steps import LayerOrderSteps, ServerSteps
 
 E = 8
 

@@ -21,15 +21,15 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
-
 from conftest import once_per_session
+from support import traces as st
+from support.sglang_source import fork_root, installed_root, load_hook_manager
+from support.slots_server import NEW_ROW, OLD_ROW, E
+
 from moetrace.analysis.report import analyze
 from moetrace.checkpoints.index import INDEX_META_KEY, read_index, write_index
 from moetrace.checkpoints.index_build import build_index
 from moetrace.tracer.manifest import read_manifests
-from support import traces as st
-from support.sglang_source import fork_root, installed_root, load_hook_manager
-from support.slots_server import E, NEW_ROW, OLD_ROW
 
 CKPT = dict(num_layers=4, num_experts=E, hidden=128, intermediate=256, shared_expert=True, draft=True, seed=5)
 
@@ -229,8 +229,9 @@ def test_replica_and_stage_detection(monkeypatch):
 def test_hook_manager_pass_counter_and_layer_order_fallback(make_ckpt, tmp_path):
     """A hook manager that counts passes on model.model (``_worker_forward_pass_id``) gives the
     steps; a factory called outside register_forward_hooks falls back to layer order."""
-    from moetrace.hooks import sglang_hook
     from test_hooks import build_model
+
+    from moetrace.hooks import sglang_hook
 
     model = build_model(make_ckpt(num_layers=2, num_experts=4, hidden=128, intermediate=128, seed=2))
     model.model._worker_forward_pass_id = -1  # the newer hook manager's tracker on model.model
@@ -251,9 +252,14 @@ def test_hook_manager_pass_counter_and_layer_order_fallback(make_ckpt, tmp_path)
 
 
 def test_launch_flags_by_distribution_and_help(tmp_path):
+    from moetrace.servers.command import (
+        LEGACY_CUDA_GRAPH_FLAGS,
+        SPLIT_CUDA_GRAPH_FLAGS,
+        cuda_graph_flags_for,
+        invokes_sglang,
+        server_distribution,
+    )
     from moetrace.servers.launcher import Launcher
-    from moetrace.servers.command import (LEGACY_CUDA_GRAPH_FLAGS, SPLIT_CUDA_GRAPH_FLAGS, cuda_graph_flags_for,
-                                       invokes_sglang, server_distribution)
 
     fork = fork_root()
     assert server_distribution() == ("sglang", "0.5.23")
@@ -294,8 +300,7 @@ def test_guard_verifies_eplb_slots_and_the_draft_by_model(server, tmp_path):
     """The in-server guard reads the rows of its moe_tp_rank: EPLB slots (a redundant copy
     included) match, a pass over every layer's held slots is full coverage, and the draft's
     layer 0 is compared with the draft's rows, never the target's layer 0."""
-    from moetrace.checkpoints.reader import draft_checkpoint
-    from moetrace.checkpoints.reader import open_checkpoint
+    from moetrace.checkpoints.reader import draft_checkpoint, open_checkpoint
     from moetrace.checkpoints.shards import Parallel, expected_experts
     from moetrace.tracer.capture import Tracer
     from moetrace.tracer.config import TraceConfig

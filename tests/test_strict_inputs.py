@@ -14,6 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from support.traces import SMALL_MOE, write_scenario
 
 from moetrace.analysis.report import analyze
 from moetrace.checkpoints.reader import open_checkpoint
@@ -25,8 +26,6 @@ from moetrace.tracer.manifest import (
     new_rank_manifest,
     new_run_manifest,
 )
-from support.traces import SMALL_MOE, write_scenario
-
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from support.traces import set_column, tamper_run
 
 from moetrace.analysis import analyze
-from support.traces import set_column, tamper_run
 
 
 @pytest.fixture(scope="module")
@@ -307,12 +307,13 @@ def test_a_trace_the_guard_wrote_is_audited_on_its_verdicts(make_ckpt, tmp_path,
     """Issue 23, 2, with the real guard (in this process, guard_rows: mismatch): two staged
     loads of a clean server pass with every tensor verified by the guard and no row; with
     the race the guard's E+2 rows are the divergences and the rest count as verified."""
+    from support.guarded import StagedContext, shards
+
     from moetrace.checkpoints.index import write_index
     from moetrace.checkpoints.index_build import build_index
     from moetrace.hooks.kt import KTLoadCapture
     from moetrace.tracer.capture import Tracer
     from moetrace.tracer.config import TraceConfig
-    from support.guarded import StagedContext, shards
 
     ckpt = make_ckpt(num_layers=2, num_experts=8, hidden=128, intermediate=256, seed=3)
     index = str(write_index(build_index(ckpt, 1), tmp_path / "index.parquet"))

@@ -21,15 +21,15 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from moetrace.tracer.config import TraceConfig
 from moetrace.fingerprint import finalize, row_bytes, row_chunk_digests
-from moetrace.tracer.online import MISMATCH, OnlineIndex
 from moetrace.schema import TENSOR_NAMES, RankIdentity, dtype_name
-from moetrace.tracer.batch import CaptureBatch, CaptureEvent, CapturedTensor
+from moetrace.tracer.batch import CaptureBatch, CapturedTensor, CaptureEvent
+from moetrace.tracer.config import TraceConfig
 from moetrace.tracer.manifest import layout_key
+from moetrace.tracer.online import MISMATCH, OnlineIndex
 from moetrace.tracer.sink import TraceSink
-from moetrace.tracer.unchanged import ResidentCache, weights_key
 from moetrace.tracer.steps import step_counter
+from moetrace.tracer.unchanged import ResidentCache, weights_key
 
 log = logging.getLogger("moetrace.capture")
 

@@ -19,6 +19,7 @@ import pyarrow.fs as pafs
 
 from moetrace import storage
 from moetrace.errors import MoetraceError
+
 CLAIM_NAME = "_claim.json"
 REFUSED_PREFIX = "_refused-"  # OUT/<run_id>/_refused-<host>-<pid>.json
 

@@ -20,11 +20,10 @@ import time
 
 import torch
 
-from moetrace.errors import MoetraceError
 from moetrace.fingerprint import finalize, row_chunk_digests
 from moetrace.schema import format_ids
-from moetrace.tracer.batch import CaptureEvent, CapturedTensor
 from moetrace.tracer import index_fit
+from moetrace.tracer.batch import CapturedTensor, CaptureEvent
 from moetrace.tracer.expected import MATCH, MISMATCH, UNVERIFIED, VERDICTS, guard_device, load_expected
 from moetrace.tracer.manifest import utc_now
 

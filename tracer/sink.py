@@ -32,15 +32,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from moetrace.errors import MoetraceError
 from moetrace import storage
+from moetrace.errors import MoetraceError
 from moetrace.fingerprint import finalize
+from moetrace.schema import TRACE_SCHEMA, rank_label
 from moetrace.tracer.batch import CaptureBatch, record_batch
-from moetrace.tracer.dumps import write_dump
 from moetrace.tracer.claim import claim_rank_dir
+from moetrace.tracer.dumps import write_dump
 from moetrace.tracer.manifest import MANIFEST_NAME, new_rank_manifest, rank_dir_name, utc_now
 from moetrace.tracer.online import OnlineIndex
-from moetrace.schema import TRACE_SCHEMA, rank_label
 
 log = logging.getLogger("moetrace.sink")
 

@@ -15,8 +15,8 @@ work/port once it listens and the scheduler work/tokens if a pass ever completes
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import importlib.util
 import json

@@ -36,8 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from moetrace.checkpoints.reader import draft_checkpoint
-from moetrace.checkpoints.reader import open_checkpoint
+from moetrace.checkpoints.reader import draft_checkpoint, open_checkpoint
 from moetrace.checkpoints.shards import Parallel, expected_experts
 from moetrace.hooks import sglang_hook
 from moetrace.schema import COPY_ORDERS

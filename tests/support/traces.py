@@ -28,15 +28,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from moetrace import storage
 from moetrace.checkpoints.index import write_index
 from moetrace.checkpoints.index_build import build_index
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.checkpoints.shards import Parallel, expected_layer, tensor_names
 from moetrace.fingerprint import CHUNK_BYTES, Fingerprint, fingerprint, n_chunks_for
 from moetrace.schema import TRACE_SCHEMA, RankIdentity, dtype_name
-from moetrace import storage
-from moetrace.tracer.manifest import MANIFEST_NAME, RUN_MANIFEST_NAME, new_run_manifest, rank_dir_name
 from moetrace.tracer.batch import CaptureBatch
+from moetrace.tracer.manifest import MANIFEST_NAME, RUN_MANIFEST_NAME, new_run_manifest, rank_dir_name
 from moetrace.tracer.sink import TraceSink
 
 Corruption = tuple | None

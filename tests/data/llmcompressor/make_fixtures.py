@@ -20,15 +20,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-import transformers
-from transformers import AutoModelForCausalLM
-
 import compressed_tensors
 import llmcompressor
+import torch
+import transformers
 from llmcompressor import oneshot
 from llmcompressor.modeling.moe.linearize import linearize_moe
 from llmcompressor.modifiers.quantization import QuantizationModifier
+from transformers import AutoModelForCausalLM
 
 HERE = Path(__file__).resolve().parent
 COMMON = dict(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
