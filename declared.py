@@ -90,7 +90,8 @@ def check_fields(doc, cls: type, where: str) -> dict:
             raise MoetraceError(f"{where}: lacks the key {key!r} ({spec})")
         v = doc[key]
         if not any(_TYPES[t](v) for t in spec.split("|")):
-            raise MoetraceError(f"{where}: {key!r} is {_type_name(v)} ({v!r:.60}), expected {spec.replace('|', ' or ')}")
+            raise MoetraceError(f"{where}: {key!r} is {_type_name(v)} ({v!r:.60}), expected "
+                                f"{spec.replace('|', ' or ')}")
     return doc
 
 

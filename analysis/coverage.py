@@ -121,7 +121,8 @@ class Analysis:
         nl = len(L)
         for k in ("expected", "captured", "missing", "duplicates"):
             L[k] = 0
-        self.missing_entries: dict[int, list[tuple[int, int, int]]] = {}  # load -> (slot, expert, tensor code); -1 unknown
+        # load -> (slot, expert, tensor code); -1 unknown
+        self.missing_entries: dict[int, list[tuple[int, int, int]]] = {}
         self.captured_entries: dict[tuple, np.ndarray] = {}  # (run, rank, lkey) -> index positions seen
         self.slot_sampled = False
         if nl == 0:
@@ -152,7 +153,8 @@ class Analysis:
                     continue
                 if tensors is not None:
                     for li in np.flatnonzero(mine).tolist():
-                        expected[li] = int(L["slot_count"].iat[li]) * len(self.kinds_of(int(shard[li]), int(lkey[li]), tensors))
+                        kinds = self.kinds_of(int(shard[li]), int(lkey[li]), tensors)
+                        expected[li] = int(L["slot_count"].iat[li]) * len(kinds)
                 if experts is not None and not self._all_experts(experts):
                     # slots of unsampled experts were never written: not missing
                     expected = np.where(mine, self._sampled_slots(mine, experts, expected, captured), expected)

@@ -44,7 +44,8 @@ def _frame(data: TraceData, tensor_names: list[str], a: Analysis | None) -> pd.D
         "layer": c["layer"], "rank": np.array(data.labels, dtype=object)[c["rank"]] if data.n else [],
         "source": c["source"], "expert": c["expert"], "copy": c["copy"],
         "tensor": remap[c["tensor"]] if data.n else np.zeros(0, np.int64),
-        "transport_position": c["transport_position"], "copy_position": c["copy_position"], "hi": c["hi"], "lo": c["lo"],
+        "transport_position": c["transport_position"], "copy_position": c["copy_position"], "hi": c["hi"],
+        "lo": c["lo"],
     })
     if a is not None:
         df["verdict"] = a.verdicts.verdict
@@ -134,7 +135,8 @@ def diff(run_a: Sequence[str] | str, run_b: Sequence[str] | str, index: str | No
     if with_verdicts:
         for side, an in (("a", aa), ("b", ab)):
             vv = an.verdicts.verdict[an.verdicts.verdict != OUT_OF_SCOPE]
-            doc[side]["by_verdict"] = {VERDICTS[i]: int(n) for i, n in enumerate(np.bincount(vv.astype(np.int64), minlength=len(VERDICTS))) if n}
+            counts = np.bincount(vv.astype(np.int64), minlength=len(VERDICTS))
+            doc[side]["by_verdict"] = {VERDICTS[i]: int(n) for i, n in enumerate(counts) if n}
             doc[side]["match"] = int((vv == MATCH).sum())
             doc[side]["rows"] = int(len(vv))
     return doc

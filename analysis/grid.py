@@ -61,7 +61,8 @@ def build_grid(a: Analysis, drows: np.ndarray) -> Grid | None:
     kk = np.zeros(sev.shape, dtype=np.int32)
 
     def cells(run_c, rank, lkey, expert):
-        return (run_pos[run_c], np.asarray(rank, np.int64), np.searchsorted(lkeys, lkey), np.searchsorted(experts, expert))
+        return (run_pos[run_c], np.asarray(rank, np.int64), np.searchsorted(lkeys, lkey),
+                np.searchsorted(experts, expert))
 
     for (rc, rk, _lkey), p in a.captured_entries.items():
         sev[cells(np.full(len(p), rc), np.full(len(p), rk), idx.lkey[p], idx.expert[p])] = 0

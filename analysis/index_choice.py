@@ -34,7 +34,8 @@ def check_index_fits(data: TraceData, idx: IndexData, checkpoint: str | None = N
             if checkpoint:
                 raise MoetraceError(_checkpoint_mismatch(checkpoint, idx.checkpoint_id, run))
             raise MoetraceError(
-                f"run {run.run_id} traced checkpoint {run.checkpoint_id!r} but index {idx.path} is for {idx.checkpoint_id!r}"
+                f"run {run.run_id} traced checkpoint {run.checkpoint_id!r} but index {idx.path} is for "
+                f"{idx.checkpoint_id!r}"
             )
 
 
@@ -51,7 +52,8 @@ def check_checkpoint(data: TraceData, checkpoint: str) -> None:
     except MoetraceError:
         raise
     except Exception as err:
-        raise MoetraceError(f"--checkpoint {checkpoint}: cannot read the checkpoint: {type(err).__name__}: {err}") from None
+        raise MoetraceError(f"--checkpoint {checkpoint}: cannot read the checkpoint: {type(err).__name__}: "
+                            f"{err}") from None
     for run in data.runs:
         if run.checkpoint_id and run.checkpoint_id != identity:
             raise MoetraceError(_checkpoint_mismatch(checkpoint, identity, run))
@@ -65,7 +67,8 @@ def choose_index(data: TraceData, index: str | None, checkpoint: str | None) -> 
     if index:
         return index, None
     if not checkpoint:
-        raise MoetraceError("pass --index FILE or --checkpoint CKPT so the trace can be compared with the expected shards")
+        raise MoetraceError("pass --index FILE or --checkpoint CKPT so the trace can be compared with the expected "
+                            "shards")
     sizes = {(r.tp_size, r.ep_size, r.moe_tp_size) for r in data.runs}
     if len(sizes) != 1:
         raise MoetraceError(f"runs use several TP/EP layouts {sorted(sizes, key=str)}; analyze them separately")

@@ -82,11 +82,13 @@ def grouped_summaries(doc: dict) -> list[dict]:
     multi_source, multi_run = _multi(doc)
     groups: dict[tuple, dict] = {}
     for i, s in enumerate(doc["summaries"]):
-        label = load_label(s["run_id"], s["rank"], s["layer"], s["step"], s["source"], multi_source, multi_run, s["model"])
+        label = load_label(s["run_id"], s["rank"], s["layer"], s["step"], s["source"], multi_source, multi_run,
+                           s["model"])
         if s["sentence"].startswith(label + ": "):
             finding = s["sentence"][len(label) + 2:]
             counts = tuple((c["verdict"], c["detail"], c["count"]) for c in s["counts"])
-            key = (s["run_id"], s["rank"], s["model"], s["layer"], s["source"], s["tensor"], s["total"], counts, finding)
+            key = (s["run_id"], s["rank"], s["model"], s["layer"], s["source"], s["tensor"], s["total"], counts,
+                   finding)
         else:  # a sentence of another shape: shown as is, never folded
             finding, key = s["sentence"].split(": ", 1)[-1], ("as is", i)
         g = groups.get(key)
@@ -112,7 +114,8 @@ def grouped_missing_loads(doc: dict) -> list[str]:
     multi_run = _multi(doc)[1]
     groups: dict[tuple, list[int]] = {}
     for m in doc["missing_loads"]:
-        groups.setdefault((m["run_id"], m["rank"], m["model"], m["layer"], m["source"], m["expected"]), []).append(m["step"])
+        groups.setdefault((m["run_id"], m["rank"], m["model"], m["layer"], m["source"], m["expected"]),
+                          []).append(m["step"])
     out = []
     for (run_id, rank, model, layer, source, expected), steps in groups.items():
         line = (f"rank {rank}, {layer_text(model, layer)}, {steps_text(steps)} ({source}): "
@@ -179,7 +182,8 @@ def to_markdown(rep: Report) -> str:
                 "|---|---:|---:|---:|---|---|---|"]
         for s in grouped_summaries(doc):
             step = steps_text(s["steps"]).split(" ", 1)[1]
-            out.append(f"| {_md_escape(s['run_id'])} | {step} | {s['layer'] if s['model'] == 'target' else s['model'] + ' ' + str(s['layer'])} | {s['rank']} | {s['source']} | "
+            layer = s["layer"] if s["model"] == "target" else f"{s['model']} {s['layer']}"
+            out.append(f"| {_md_escape(s['run_id'])} | {step} | {layer} | {s['rank']} | {s['source']} | "
                        f"{s['tensor']} | {_md_escape(s['finding'])} |")
         out.append("")
     missing = grouped_missing_loads(doc)
@@ -265,7 +269,8 @@ def to_junit(rep: Report) -> str:
             if k in first_by_case:
                 row = row_doc(a, first_by_case[k])
                 f = ET.SubElement(tc, "failure", message=row["sentence"], type=row["verdict"])
-                f.text = "\n".join([f"{fmt_int(count_by_case[k])} divergent entries over {fmt_int(cc['loads'])} load(s)"]
+                f.text = "\n".join([f"{fmt_int(count_by_case[k])} divergent entries over {fmt_int(cc['loads'])} "
+                                    f"load(s)"]
                                    + summ.get(k, []))
                 counts["failures"] += 1
             elif cc["missing"]:

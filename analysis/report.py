@@ -54,7 +54,8 @@ class Report:
 
 def _verdict_counts(a: Analysis) -> np.ndarray:
     vv, scope, L = a.verdicts.verdict, a.scope, a.loads
-    counts = np.bincount(vv[scope].astype(np.int64), minlength=len(VERDICTS)) if scope.any() else np.zeros(len(VERDICTS), np.int64)
+    counts = (np.bincount(vv[scope].astype(np.int64), minlength=len(VERDICTS)) if scope.any()
+              else np.zeros(len(VERDICTS), np.int64))
     missing_in_loads = int(L["missing"].sum()) if len(L) else 0
     missing_loads_entries = int(a.missing_loads["expected"].sum()) if len(a.missing_loads) else 0
     counts[MISSING] = missing_in_loads + missing_loads_entries
@@ -65,7 +66,8 @@ def _rows_per_rank(a: Analysis):
     """rows_of(run code, rank=None) -> rows read for that run (and rank)."""
     d, c = a.data, a.data.cols
     nrk = int(c["rank"].max()) + 1 if d.n else 1
-    per = np.bincount(c["run"].astype(np.int64) * nrk + c["rank"], minlength=max(len(d.run_ids), 1) * nrk) if d.n else None
+    per = (np.bincount(c["run"].astype(np.int64) * nrk + c["rank"], minlength=max(len(d.run_ids), 1) * nrk)
+           if d.n else None)
 
     def rows_of(rc: int, r: int | None = None) -> int:
         if per is None:
@@ -116,7 +118,8 @@ def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> li
             elif rk.rows_written and not read:
                 incomplete.append(f"run {run.run_id} rank {r}: nothing captured")
         if not run.checkpoint_id:
-            warnings.append(f"run {run.run_id}: manifests record no checkpoint_id, so the index's checkpoint cannot be confirmed")
+            warnings.append(f"run {run.run_id}: manifests record no checkpoint_id, so the index's checkpoint cannot be "
+                            f"confirmed")
         for r in run.missing_ranks:
             incomplete.append(f"run {run.run_id}: rank {r} missing (no rank={r} folder)")
         incomplete += [f"run {run.run_id}: {refusal_problem(x)}" for x in run.refusals]
@@ -222,7 +225,8 @@ def _loads_section(a: Analysis, drows: np.ndarray) -> tuple[list[dict], list[dic
                 doc["missing_entries_truncated"] = max(0, len(m) - MAX_MISSING_LISTED)
             loads_doc.append(doc)
     missing_loads_doc = [
-        {"run_id": d.run_ids.names[int(r.run)], "step": int(r.step), "model": d.models.names[int(r.lkey) // a.layer_stride],
+        {"run_id": d.run_ids.names[int(r.run)], "step": int(r.step),
+         "model": d.models.names[int(r.lkey) // a.layer_stride],
          "layer": int(r.layer), "rank": d.labels[int(r.rank)], "tp_rank": parse_rank_label(d.labels[int(r.rank)])[2],
          "source": SOURCES[int(r.source)], "expected": int(r.expected)}
         for r in a.missing_loads.itertuples(index=False)
@@ -267,7 +271,8 @@ def build_report(a: Analysis, inputs: list[str], max_rows: int = MAX_ROWS_DEFAUL
     total = in_scope_rows + int(counts[MISSING]) + sum(vouched.values())
     n_match = by_verdict["match"]
     steps = int(L["step"].nunique()) if len(L) else 0
-    ranks = sorted({d.labels[int(r)] for r in L["rank"].unique()} | set(vouched), key=label_key) if len(L) or vouched else []
+    ranks = (sorted({d.labels[int(r)] for r in L["rank"].unique()} | set(vouched), key=label_key)
+             if len(L) or vouched else [])
 
     runs_doc = _runs_section(a, incomplete, warnings)
     _trace_problems(a, counts, incomplete, warnings)
@@ -320,7 +325,8 @@ def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | No
         paths = [paths]
     data = read_trace(paths)
     if data.n == 0 and not all(guard_vouches(rk.manifest) for run in data.runs for rk in run.ranks.values()):
-        why = f"; {len(data.skipped_parts)} unreadable part(s) skipped, first {data.skipped_parts[0][0]}" if data.skipped_parts else ""
+        skipped = data.skipped_parts
+        why = f"; {len(skipped)} unreadable part(s) skipped, first {skipped[0][0]}" if skipped else ""
         raise MoetraceError(f"trace {', '.join(paths)} holds no rows: nothing was captured{why}")
     index_path, trace_layout = choose_index(data, index, checkpoint)
     idx = read_expected(index_path, data.tensors, data.dtypes, models=data.models)

@@ -75,7 +75,8 @@ def rows_problems(m: dict, f: RowFacts) -> list[str]:
         want = m.get(key)
         if want is None and key == "moe_tp_rank" and isinstance(m.get("tp_rank"), int):
             # not reported by a module (a sink fed directly): the shard a TP rank holds without EP
-            want = m["tp_rank"] % max(1, int(m.get("moe_tp_size") or (m.get("tp_size") or 1) // (m.get("ep_size") or 1)))
+            moe_tp = m.get("moe_tp_size") or (m.get("tp_size") or 1) // (m.get("ep_size") or 1)
+            want = m["tp_rank"] % max(1, int(moe_tp))
         other = sorted(v for v in seen if v != want)
         if other:
             problems.append(f"holds rows of {key} {id_list(other)} but its process was {key} {want} (rows bound to "
@@ -128,15 +129,15 @@ def rows_problems(m: dict, f: RowFacts) -> list[str]:
                                                                                else min(s.layers))}
         gone = sorted(want - f.resident_steps)
         if gone:
-            problems.append(f"manifest counts {count_of(m, 'steps_seen'):,} steps (steps_seen) but no row holds step(s) "
-                            f"{id_list(_short(gone))}")
+            problems.append(f"manifest counts {count_of(m, 'steps_seen'):,} steps (steps_seen) but no row holds "
+                            f"step(s) {id_list(_short(gone))}")
     for model, layers in sorted(f.layers.items()):
         listed = (models.get(model) or {}).get("layers") if isinstance(models.get(model), dict) else None
         if listed:
             extra = sorted(set(layers) - set(listed))
             if extra:
-                problems.append(f"holds rows of {model} layer(s) {id_list(_short(extra))}, which its manifest's model does "
-                                f"not have (layers {id_list(_short(sorted(listed)))})")
+                problems.append(f"holds rows of {model} layer(s) {id_list(_short(extra))}, which its manifest's model "
+                                f"does not have (layers {id_list(_short(sorted(listed)))})")
     layouts = _layouts(m)
     if layouts:
         cfg = m.get("config") or {}
@@ -155,7 +156,8 @@ def rows_problems(m: dict, f: RowFacts) -> list[str]:
         most = want + int(facts.get("unfilled_slots") or 0)
         wrong = sorted(c for c in counts if (c > most if facts.get("changed") else c != want))
         if wrong:
-            problems.append(f"loads of {_where(key)} report {id_list(wrong)} slots but its recorded layout holds {want}")
+            problems.append(f"loads of {_where(key)} report {id_list(wrong)} slots but its recorded layout holds "
+                            f"{want}")
     return problems
 
 

@@ -65,8 +65,8 @@ def row_facts(a: Analysis) -> dict[tuple[int, int], RowFacts]:
 def _facts(a: Analysis, ix: np.ndarray) -> RowFacts:
     """The facts of one rank's rows (positions ix)."""
     d = a.data
-    col = {k: d.cols[k][ix] for k in ("tp", "shard", "model", "step", "source", "capture_seq", "layer", "tensor", "slot",
-                                      "expert", "copy", "slot_count", "online")}
+    col = {k: d.cols[k][ix] for k in ("tp", "shard", "model", "step", "source", "capture_seq", "layer", "tensor",
+                                      "slot", "expert", "copy", "slot_count", "online")}
     f = RowFacts(rows=len(ix), tp_ranks=_distinct(col["tp"]), moe_tp_ranks=_distinct(col["shard"]))
     f.online = {ONLINE[i]: int(n) for i, n in enumerate(np.bincount(col["online"], minlength=len(ONLINE))) if n}
     event = _key(col["model"], col["step"], col["source"], col["capture_seq"], col["layer"])
@@ -129,7 +129,8 @@ def _conflicts(d, col: dict, event: np.ndarray) -> list[str]:
             else:
                 slots = ", ".join(str(x) for x in sorted({int(col["slot"][i]) for i in r}))
                 named.append((int(col["step"][r[0]]), f"{at}: expert {int(col['expert'][r[0]])} copy "
-                                                      f"{int(col['copy'][r[0]])} sits in slots {slots} within one load"))
+                                                      f"{int(col['copy'][r[0]])} sits in slots {slots} within one "
+                                                      f"load"))
         named.sort()
         shown = [p for _, p in named[:MAX_CONFLICTS]]
         if len(named) > len(shown):

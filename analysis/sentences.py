@@ -70,7 +70,8 @@ def slot_desc(expert: int, slot: int, copy: int, source: str, shared: bool = Fal
 def torn_desc(ranges: list[dict]) -> str:
     bits = []
     for g in ranges:
-        span = f"chunk {g['first_chunk']}" if g["first_chunk"] == g["last_chunk"] else f"chunks {g['first_chunk']}-{g['last_chunk']}"
+        first, last = g["first_chunk"], g["last_chunk"]
+        span = f"chunk {first}" if first == last else f"chunks {first}-{last}"
         src = g["source"]
         if src == "expected":
             what = f"expert {g['expert']} (expected)"
@@ -154,7 +155,8 @@ def what(doc: dict, no_chunks: bool = False) -> str:
         for g in doc["chunks"]:
             g = dict(g)
             if g["source"] == "index":
-                g["_layer_differs"] = g["layer"] != doc["layer"] or g.get("model", "target") != doc.get("model", "target")
+                g["_layer_differs"] = (g["layer"] != doc["layer"]
+                                       or g.get("model", "target") != doc.get("model", "target"))
                 g["_rank_differs"] = g["tp_rank"] != doc["moe_tp_rank"]
                 g["_tensor_differs"] = g["tensor"] != t
             rngs.append(g)
@@ -187,7 +189,8 @@ def summary_fragment(verdict: int, detail: int, count: int, total: int, tensor: 
     frac = f"{count}/{total}" + (f" {tensor}" if tensor else "")
     if verdict == STALE and detail < 0:
         found = -detail - 1
-        return f"{frac} hold " + ("the shared expert" if shared_from is not None and found >= shared_from else f"expert {found}")
+        shared = shared_from is not None and found >= shared_from
+        return f"{frac} hold " + ("the shared expert" if shared else f"expert {found}")
     if verdict == STALE:
         return f"{frac} are E{detail:+d}"
     if verdict == WRONG_LAYER and layer_name is not None:

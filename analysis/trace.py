@@ -129,8 +129,9 @@ COL_DTYPES = {
     "online": np.int8,
 }
 _NUMERIC = {"tp": "tp_rank", "shard": "moe_tp_rank", "step": "step", "capture_seq": "capture_seq",
-            "transport_position": "transport_position", "slot": "slot", "copy": "expert_copy", "slot_count": "slot_count",
-            "layer": "layer", "expert": "expert", "copy_position": "copy_position", "nbytes": "nbytes"}
+            "transport_position": "transport_position", "slot": "slot", "copy": "expert_copy",
+            "slot_count": "slot_count", "layer": "layer", "expert": "expert", "copy_position": "copy_position",
+            "nbytes": "nbytes"}
 
 
 def _open_parquet(path: str, fs, dict_columns: list[str]) -> pq.ParquetFile:
@@ -156,7 +157,8 @@ def _check_columns(pf: pq.ParquetFile, path: str) -> None:
             vs = sorted(set(pf.read(columns=["schema_version"]).column(0).to_pylist()))
             if vs and vs != [TRACE_SCHEMA_VERSION]:
                 raise _SchemaVersion(path, vs)
-        raise MoetraceError(f"trace part {path} lacks column(s) {', '.join(missing)}: not a moetrace trace v{TRACE_SCHEMA_VERSION}")
+        raise MoetraceError(f"trace part {path} lacks column(s) {', '.join(missing)}: not a moetrace trace "
+                            f"v{TRACE_SCHEMA_VERSION}")
 
 
 def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.ndarray], start: int,
@@ -176,12 +178,14 @@ def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.nd
     src = Vocab(SOURCES)
     out["source"][sl] = src.codes_of(t.column("source"), np.int8)
     if len(src) > len(SOURCES):
-        raise MoetraceError(f"trace part {path} has source value(s) {src.names[len(SOURCES):]}; expected 'resident' or 'staged'")
+        raise MoetraceError(f"trace part {path} has source value(s) {src.names[len(SOURCES):]}; expected 'resident' or "
+                            f"'staged'")
     out["hi"][sl], out["lo"][sl] = digest_columns(t.column("digest"))
     out["run"][sl] = run_v.codes_of(t.column("run_id"), np.int16)
     out["model"][sl] = model_v.codes_of(t.column("model"), np.int8)
     if len(model_v) > len(MODELS):
-        raise MoetraceError(f"trace part {path} has model value(s) {model_v.names[len(MODELS):]}; expected {list(MODELS)}")
+        raise MoetraceError(f"trace part {path} has model value(s) {model_v.names[len(MODELS):]}; expected "
+                            f"{list(MODELS)}")
     out["rank"][sl] = rank_code
     out["tensor"][sl] = tensor_v.codes_of(t.column("tensor"), np.int16)
     out["dtype"][sl] = dtype_v.codes_of(t.column("dtype"), np.int16)

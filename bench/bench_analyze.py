@@ -110,13 +110,14 @@ def main() -> None:
             "ratio_vs_floor_full": round(a["seconds"] / f["seconds"], 2),
             "ratio_vs_floor_cols": round(a["seconds"] / fc["seconds"], 2),
             "status": a["status"], "totals": a["totals"], "first_divergence": a["first_divergence"],
-            "summaries": a["summaries"], "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "summaries": a["summaries"],
+            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         }
         if args.json:
             print(json.dumps(summary, indent=1))
         else:
-            print(f"trace: {summary['rows']:,} rows, {size / 1e9:.2f} GB Parquet (chunk_digests={summary['chunk_digests']}), "
-                  f"{summary['cpus']} CPUs")
+            print(f"trace: {summary['rows']:,} rows, {size / 1e9:.2f} GB Parquet "
+                  f"(chunk_digests={summary['chunk_digests']}), {summary['cpus']} CPUs")
             print(f"{'':14}{'seconds':>9}{'peak RSS MB':>13}")
             for k, r in (("floor_full", f), ("floor_cols", fc), ("analyze", a)):
                 print(f"{k:14}{r['seconds']:9.2f}{r['peak_rss_mb']:13.0f}")

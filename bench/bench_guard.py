@@ -67,7 +67,8 @@ def bench_layer(ckpt: Path, index: Path, device: str, repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         base = {"out": out, "rows_per_part": 1 << 20, "flush_interval_s": 3600, "queue_max_bytes": 4 << 30}
         plain = Tracer(TraceConfig.from_dict({**base, "run_id": "hook"}), 1, 2)
-        guarded = Tracer(TraceConfig.from_dict({**base, "run_id": "guard", "index": str(index), "guard": "record"}), 1, 2)
+        config = TraceConfig.from_dict({**base, "run_id": "guard", "index": str(index), "guard": "record"})
+        guarded = Tracer(config, 1, 2)
         step = iter(range(1 << 30))
         fns["hook"] = lambda: plain.capture(src, layer=0, source="staged", step=next(step), experts=experts)
         fns["guard"] = lambda: guarded.capture(src, layer=0, source="staged", step=next(step), experts=experts)
@@ -98,7 +99,8 @@ def bench_emulated(ckpt: Path, index: Path, device: str, repeats: int, rounds: i
             off += time_loads(str(ckpt), fences=("all",), repeats=repeats, device=device)["outer:all"]
             spec = hook_spec({"out": out, "run_id": f"guard{r}", "index": str(index), "guard": "record",
                               "sources": "staged"}, DEFAULT_TARGETS)
-            on += time_loads(str(ckpt), fences=("all",), repeats=repeats, device=device, forward_hooks=spec)["outer:all"]
+            on += time_loads(str(ckpt), fences=("all",), repeats=repeats, device=device,
+                             forward_hooks=spec)["outer:all"]
     m_off, m_on = statistics.median(off), statistics.median(on)
     return {"load_ms_no_hook": round(m_off, 1), "load_ms_guard": round(m_on, 1), "ratio": round(m_on / m_off, 3),
             "samples_no_hook": off, "samples_guard": on}
@@ -112,7 +114,8 @@ def bench_conform(rounds: int) -> dict:
         for guard, into in ((None, off), ("mismatch", on)):
             (res,) = run_conform([Case()], tp=2, guard=guard)
             into.append(res.seconds["rank0"]["load"] * 1e3)
-    return {"load_ms_capture": round(statistics.median(off), 2), "load_ms_capture_and_guard": round(statistics.median(on), 2),
+    return {"load_ms_capture": round(statistics.median(off), 2),
+            "load_ms_capture_and_guard": round(statistics.median(on), 2),
             "ratio": round(statistics.median(on) / statistics.median(off), 3), "samples_capture": off,
             "samples_capture_and_guard": on}
 
@@ -139,7 +142,8 @@ def main() -> None:
         ckpt, index = prepare(work, experts)
         result = {"device": args.device, "experts": experts, "layer": bench_layer(ckpt, index, args.device, repeats)}
         if not args.no_emulated:
-            result["emulated"] = bench_emulated(ckpt, index, args.device, 2 if args.quick else 3, 1 if args.quick else 2)
+            result["emulated"] = bench_emulated(ckpt, index, args.device, 2 if args.quick else 3,
+                                                1 if args.quick else 2)
         if args.conform:
             result["conform"] = bench_conform(1 if args.quick else 3)
     if args.json:

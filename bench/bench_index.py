@@ -150,8 +150,8 @@ def main() -> None:
                 t_rep, _ = timed(lambda: replicate_layers(one, root, layers))
                 t_write += t_rep
         result = bench_model(root, args.tp) if args.model else bench_layer(root, args.tp, rounds, args.device)
-    result = {"cpu": cpu_description(), "layers": layers, "experts": experts, "hidden": hidden, "intermediate": inter, "tp": args.tp,
-              **result, "synthetic_write_s": round(t_write, 1)}
+    result = {"cpu": cpu_description(), "layers": layers, "experts": experts, "hidden": hidden, "intermediate": inter,
+              "tp": args.tp, **result, "synthetic_write_s": round(t_write, 1)}
     if args.json:
         print(json.dumps(result))
         return

@@ -41,7 +41,8 @@ def bench_index(path: str, layers: int = 48, experts: int = 256, tp: int = 2, se
     """Index with random chunk digests (digests derived from them); returns arrays for the trace writer."""
     rng = np.random.default_rng(seed)
     tensors = list(COPY_ORDERS["fp8_block"])
-    R, L, E, T = np.meshgrid(np.arange(tp), np.arange(layers), np.arange(experts), np.arange(len(tensors)), indexing="ij")
+    R, L, E, T = np.meshgrid(np.arange(tp), np.arange(layers), np.arange(experts), np.arange(len(tensors)),
+                             indexing="ij")
     R, L, E, T = (x.reshape(-1) for x in (R, L, E, T))
     n = len(R)
     nbytes = np.array([int(np.prod(BENCH_SHAPES[t][0])) * BENCH_SHAPES[t][2] for t in tensors], np.int64)[T]
@@ -52,7 +53,8 @@ def bench_index(path: str, layers: int = 48, experts: int = 256, tp: int = 2, se
     blob = chunk_words.tobytes()
     fps = np.frombuffer(b"".join(tensor_digest(blob[offsets[i]:offsets[i + 1]], int(nbytes[i])) for i in range(n)),
                         "<i8").reshape(n, 2)
-    chunk_arr = pa.BinaryArray.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(chunk_words.tobytes())])
+    chunk_arr = pa.BinaryArray.from_buffers(pa.binary(), n,
+                                            [None, pa.py_buffer(offsets), pa.py_buffer(chunk_words.tobytes())])
     shapes = [list(BENCH_SHAPES[t][0]) for t in tensors]
     tnames = pa.array(tensors)
     cols = {
@@ -79,7 +81,8 @@ def bench_index(path: str, layers: int = 48, experts: int = 256, tp: int = 2, se
 
 
 def _fixed16(words: np.ndarray) -> pa.Array:
-    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(16), len(words), [None, pa.py_buffer(np.ascontiguousarray(words).tobytes())])
+    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(16), len(words),
+                                                [None, pa.py_buffer(np.ascontiguousarray(words).tobytes())])
 
 
 def write_bench(out: str, rows: int, run_id: str = "bench", seed: int = 0, rows_per_part: int = 250_000,
@@ -111,7 +114,8 @@ def write_bench(out: str, rows: int, run_id: str = "bench", seed: int = 0, rows_
     with open(os.path.join(trace_dir, run_id, RUN_MANIFEST_NAME), "w") as f:
         json.dump(new_run_manifest(run_id, trace_dir, tp_size=tp, expected_ranks=tp, checkpoint_id=ix["checkpoint_id"],
                                    finished=True, complete=True,
-                                   ranks=[{"rank_label": str(r), "tp_rank": r, "pp_rank": 0, "replica": None, "present": True}
+                                   ranks=[{"rank_label": str(r), "tp_rank": r, "pp_rank": 0, "replica": None,
+                                           "present": True}
                                           for r in range(tp)]), f)
     # transport order = expert position (the staged loop walks experts in order)
     for r in range(tp):
@@ -184,10 +188,12 @@ def _bench_table(ix, j, fps, chunk, step, rank, run_id, seq0, all_chunks: bool) 
         if "chunk_arr" not in ix:
             off = np.r_[0, np.cumsum(ix["nchunks"] * 16)].astype(np.int64)
             ix["chunk_arr"] = pa.LargeBinaryArray.from_buffers(
-                pa.large_binary(), len(ix["nchunks"]), [None, pa.py_buffer(off), pa.py_buffer(ix["chunk_words"].tobytes())])
+                pa.large_binary(), len(ix["nchunks"]),
+                [None, pa.py_buffer(off), pa.py_buffer(ix["chunk_words"].tobytes())])
         chunk_col = ix["chunk_arr"].take(pa.array(j)).cast(pa.binary())
         if mask.any():
-            chunk_col = pc.replace_with_mask(chunk_col, pa.array(mask), pa.array([c for c in chunk if c is not None], pa.binary()))
+            chunk_col = pc.replace_with_mask(chunk_col, pa.array(mask),
+                                             pa.array([c for c in chunk if c is not None], pa.binary()))
     else:
         chunk_col = pa.array(chunk, pa.binary())
     tensors = ix["tensors"]
@@ -197,14 +203,16 @@ def _bench_table(ix, j, fps, chunk, step, rank, run_id, seq0, all_chunks: bool) 
     cols = {
         "schema_version": pa.array(np.full(m, TRACE_SCHEMA_VERSION, np.int16)),
         "run_id": pa.DictionaryArray.from_arrays(pa.array(np.zeros(m, np.int32)), pa.array([run_id])).cast(pa.string()),
-        "model": pa.DictionaryArray.from_arrays(pa.array(np.zeros(m, np.int32)), pa.array(["target"])).cast(pa.string()),
+        "model": pa.DictionaryArray.from_arrays(pa.array(np.zeros(m, np.int32)),
+                                                pa.array(["target"])).cast(pa.string()),
         "tp_size": pa.array(np.full(m, ix["tp"], np.int16)), "tp_rank": pa.array(np.full(m, rank, np.int16)),
         "ep_size": pa.array(np.ones(m, np.int16)), "ep_rank": pa.array(np.zeros(m, np.int16)),
         "moe_tp_size": pa.array(np.full(m, ix["tp"], np.int16)), "moe_tp_rank": pa.array(np.full(m, rank, np.int16)),
         "pp_size": pa.array(np.ones(m, np.int16)), "pp_rank": pa.array(np.zeros(m, np.int16)),
         "replica": pa.array(np.zeros(m, np.int16)),
         "step": pa.array(step.astype(np.int64)),
-        "source": pa.DictionaryArray.from_arrays(pa.array(np.zeros(m, np.int32)), pa.array(["staged"])).cast(pa.string()),
+        "source": pa.DictionaryArray.from_arrays(pa.array(np.zeros(m, np.int32)),
+                                                 pa.array(["staged"])).cast(pa.string()),
         "capture_seq": pa.array(((seq0 + np.arange(m)) // per_load).astype(np.int64)),
         "transport_position": pa.array(ix["E"][j].astype(np.int32)),
         "slot": pa.array(ix["E"][j].astype(np.int32)), "expert_copy": pa.array(np.zeros(m, np.int16)),

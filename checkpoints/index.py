@@ -57,11 +57,13 @@ def _open(path: str | os.PathLike) -> pq.ParquetFile:
 def _checked_metadata(path, pf: pq.ParquetFile) -> dict:
     raw = (pf.schema_arrow.metadata or {}).get(INDEX_META_KEY)
     if raw is None:
-        raise MoetraceError(f"index {path}: not a moetrace index (a Parquet file without its metadata; build one with `moetrace index`)")
+        raise MoetraceError(f"index {path}: not a moetrace index (a Parquet file without its metadata; build one with "
+                            f"`moetrace index`)")
     try:
         meta = json.loads(raw)
     except ValueError:
-        raise MoetraceError(f"index {path}: garbled moetrace index metadata (rebuild it with `moetrace index`)") from None
+        raise MoetraceError(f"index {path}: garbled moetrace index metadata (rebuild it with `moetrace "
+                            f"index`)") from None
     if not isinstance(meta, dict):
         raise MoetraceError(f"index {path}: its metadata is a JSON {type(meta).__name__}, not an object; "
                             "rebuild it with `moetrace index`")

@@ -2,8 +2,8 @@
 
 ``build_index`` reads every expected TP shard (checkpoints.shards) of every expert of
 every MoE layer, per moe_tp_rank, for the target model and (when the checkpoint has
-one, checkpoints.extra) the draft model, and fingerprints it; ``cached_index`` keeps one index per checkpoint identity, file
-stats and options, so an unchanged checkpoint is fingerprinted once. The file
+one, checkpoints.extra) the draft model, and fingerprints it; ``cached_index`` keeps one
+index per checkpoint identity, file stats and options, so an unchanged checkpoint is fingerprinted once. The file
 format and its one reader are in checkpoints.index.
 """
 

@@ -79,13 +79,15 @@ def verify_hit(index_path: str | os.PathLike, ckpt: Checkpoint, par: Parallel, r
             if draft is None:
                 return "the cached index has draft rows, the checkpoint has no draft model"
             model_ckpt = draft
-        rows = table.filter(pc.and_(pc.and_(pc.equal(table.column("model"), model), pc.equal(table.column("layer"), layer)),
+        rows = table.filter(pc.and_(pc.and_(pc.equal(table.column("model"), model),
+                                            pc.equal(table.column("layer"), layer)),
                                     pc.and_(pc.equal(table.column("moe_tp_rank"), rank),
                                             pc.equal(table.column("expert"), expert)))).to_pylist()
         shards = expected_experts(model_ckpt, layer, rank, par, range(expert, expert + 1))
         where = f"{'' if model == 'target' else model + ' '}layer {layer} moe_tp_rank {rank} expert {expert}"
         if sorted(shards) != sorted(r["tensor"] for r in rows):
-            return f"{where}: the checkpoint gives tensors {sorted(shards)}, the cache {sorted(r['tensor'] for r in rows)}"
+            cached = sorted(r["tensor"] for r in rows)
+            return f"{where}: the checkpoint gives tensors {sorted(shards)}, the cache {cached}"
         for row in rows:
             data = fpdef.raw_bytes(shards[row["tensor"]][0]).cpu().numpy()
             if data.size != row["nbytes"]:

@@ -33,7 +33,8 @@ def _refuse_transforms(facts: dict, fmt: str, source: str) -> None:
     runner = facts.get("runner_backend")
     trtllm = bool(facts.get("use_flashinfer_trtllm_moe")) or runner in TRTLLM
     if any("fnuz" in d for d in dtypes):
-        raise LayoutRefused("ROCm e4m3fnuz weights", "normalize_e4m3fn_to_e4m3fnuz rewrites the bytes and doubles scales")
+        raise LayoutRefused("ROCm e4m3fnuz weights",
+                            "normalize_e4m3fn_to_e4m3fnuz rewrites the bytes and doubles scales")
     if any(p.get("is_shuffled") for p in params.values()):
         raise LayoutRefused("aiter-shuffled weights", "shuffle_weight((16, 16)) for the aiter MoE kernels")
     if facts.get("amx"):
@@ -53,7 +54,8 @@ def _refuse_transforms(facts: dict, fmt: str, source: str) -> None:
                             "_load_per_tensor_weight_scale keeps [gate, up] while load_up_proj_weight_first loads up "
                             "rows first; no quant method in sglang 0.5.23 or sglang-kt 0.7.2 sets this up")
     if trtllm and source == "staged":
-        raise LayoutRefused("a KT staged load under flashinfer-trtllm", "the staging writer's gate/up order there is unqualified")
+        raise LayoutRefused("a KT staged load under flashinfer-trtllm",
+                            "the staging writer's gate/up order there is unqualified")
     if trtllm and fmt == "bf16":
         raise LayoutRefused("the flashinfer-trtllm BF16 block layout",
                             "rows shuffled and blocked by flashinfer.fused_moe.core, defined outside the sglang wheel")
@@ -114,7 +116,8 @@ def derive_layout(facts: dict | None, fmt: str, i_tp: int, source: str = "reside
             raise LayoutRefused("an unreadable layout", f"reading the layer's facts failed: {facts['error']}")
         kt = facts.get("kt_format")
         if source == "staged" and kt is not None and kt not in STAGED_FORMATS:
-            raise LayoutRefused(f"a KT {kt} staged context", "moetrace captures FP8 block/channel and BF16 contexts only")
+            raise LayoutRefused(f"a KT {kt} staged context",
+                                "moetrace captures FP8 block/channel and BF16 contexts only")
         _refuse_transforms(facts, fmt, source)
         loaded = loaded_layout(facts, i_tp)
     except LayoutRefused as err:

@@ -167,7 +167,8 @@ class Checkpoint:
             else:
                 lead = rows if isinstance(rows, tuple) and rows and not isinstance(rows[0], int) else (rows,)
                 if len(lead) > len(t.shape):
-                    raise MoetraceError(f"{name} in {t.file.name}: {len(lead)} row ranges for a {len(t.shape)}-D tensor")
+                    raise MoetraceError(f"{name} in {t.file.name}: {len(lead)} row ranges for a {len(t.shape)}-D "
+                                        f"tensor")
                 index = tuple(as_slice(r, d, name, t.file) for r, d in zip(lead, t.shape))
                 out = handle.get_slice(name)[index]
         except MoetraceError:
@@ -196,7 +197,8 @@ class Checkpoint:
 
         out = torch.empty(shape, dtype=torch_dtypes()[t.dtype]) if into is None else into
         if list(out.shape) != shape:
-            raise MoetraceError(f"{t.name} in {t.file.name}: rows [{a}, {b}) are {shape}, the destination is {list(out.shape)}")
+            raise MoetraceError(f"{t.name} in {t.file.name}: rows [{a}, {b}) are {shape}, the destination is "
+                                f"{list(out.shape)}")
         buf = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
         offset = t.data_start + t.offsets[0] + a * row_bytes
         fd = self._fds.get(t.file)

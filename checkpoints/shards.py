@@ -336,7 +336,8 @@ def expected_layer(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel, sl
 
 
 def expected_experts(ckpt: Checkpoint, layer: int, moe_tp_rank: int, par: Parallel,
-                     experts: range | None = None, buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                     experts: range | None = None,
+                     buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The shards of `experts` (default: every routed expert, then the fused shared
     expert(s) ids num_experts + j when the checkpoint has them) for a rank of this
     moe_tp_rank, stacked [len(experts), ...] per FusedMoE param in the given order,

@@ -161,7 +161,8 @@ def _check_sizes_held(prefix: str, sizes: dict[str, int], tensors: Mapping[str, 
             if e:
                 experts = max(experts, int(e.group(1)))
             fused = fused or name.endswith(".mlp.experts.gate_up_proj")
-    held = {"num_hidden_layers": (layers + 1, "layers"), **{k: (experts + 1, "experts") for k in sizes if k != "num_hidden_layers"}}
+    held = {"num_hidden_layers": (layers + 1, "layers"),
+            **{k: (experts + 1, "experts") for k in sizes if k != "num_hidden_layers"}}
     for key, n in sizes.items():
         have, what = held[key]
         if what == "experts" and fused:
@@ -241,7 +242,8 @@ def verify_against_tensors(spec: MoESpec, tensors: Mapping[str, str], where: str
         raise MoetraceError(
             f"{where}: {spec.arch} expects expert tensor {unfused} (or fused {fused}) but the checkpoint has neither"
         )
-    has_inv, has_scale = f"{stem}.0.gate_proj.weight_scale_inv" in tensors, f"{stem}.0.gate_proj.weight_scale" in tensors
+    has_inv = f"{stem}.0.gate_proj.weight_scale_inv" in tensors
+    has_scale = f"{stem}.0.gate_proj.weight_scale" in tensors
     if is_fused:
         return _verify_fused(spec, tensors, fused, where)
     if spec.scale_suffix is not None and f"{stem}.0.gate_proj.{spec.scale_suffix}" not in tensors:
@@ -270,14 +272,16 @@ def _verify_fused(spec: MoESpec, tensors: Mapping[str, str], fused: str, where: 
     if spec.family in FUSED_NOT_MAPPED:
         raise MoetraceError(f"{where}: {fused}: fused expert tensors in a {spec.arch} checkpoint; "
                             f"{FUSED_NOT_MAPPED[spec.family]}")
-    scales = [f"{fused}{suffix}" for suffix in ("_scale_inv", "_scale", "_weight_scale") if f"{fused}{suffix}" in tensors]
+    scales = [f"{fused}{suffix}" for suffix in ("_scale_inv", "_scale", "_weight_scale")
+              if f"{fused}{suffix}" in tensors]
     mapped = f"{fused}{FUSED_SCALE_SUFFIX[spec.family]}"
     if spec.fmt == "bf16":
         if scales:
             raise MoetraceError(f"{where}: no quantization_config but the checkpoint has FP8 scales ({scales[0]})")
     elif spec.fmt != "fp8_block" or spec.quant_method != "fp8":
         raise MoetraceError(f"{where}: fused expert tensors ({fused}) with {spec.fmt} ({spec.quant_method}) scales: "
-                            f"SGLang maps fused FP8 experts with block scales (quant_method fp8, weight_block_size) only")
+                            f"SGLang maps fused FP8 experts with block scales (quant_method fp8, weight_block_size) "
+                            f"only")
     elif mapped not in tensors:
         found = f"it has {scales[0]}, which" if scales else "it has no fused scale, and"
         raise MoetraceError(f"{where}: fused FP8 expert scales: SGLang's {spec.arch} loader maps {mapped}; {found} "
@@ -322,7 +326,8 @@ def expected_header(s: MoESpec, name: str, pattern: re.Pattern | None = None
         bn, bk = s.block
         # gate and up each in whole block_n blocks, stacked (SGLang splits with chunk(2, dim=-2))
         rows = 2 * -(-I // bn) if fused == "gate_up" else -(-H // bn)
-        return SCALE_DTYPES, [(E, rows, -(-inp // bk))], f"num_experts {E}, weight [{E}, {out}, {inp}] in blocks {list(s.block)}"
+        why = f"num_experts {E}, weight [{E}, {out}, {inp}] in blocks {list(s.block)}"
+        return SCALE_DTYPES, [(E, rows, -(-inp // bk))], why
     out, inp = (H, I) if proj == "down" else (I, H)
     if kind == "weight":
         return weight_dtype, [(out, inp)], sizes

@@ -69,7 +69,8 @@ def synthetic_values(
     if kind not in _KIND or proj not in (0, 1, 2):
         raise ValueError(f"kind must be weight|scale and proj 0|1|2, got {kind!r}, {proj!r}")
     dtype = dtype or (torch.float8_e4m3fn if kind == "weight" else torch.float32)
-    rows, cols = torch.broadcast_tensors(torch.as_tensor(rows, dtype=torch.int64), torch.as_tensor(cols, dtype=torch.int64))
+    rows, cols = torch.broadcast_tensors(torch.as_tensor(rows, dtype=torch.int64),
+                                         torch.as_tensor(cols, dtype=torch.int64))
     fp8 = kind == "weight" and dtype == torch.float8_e4m3fn
     cycle = len(_FP8_BYTES) if fp8 else 512
     # The expert enters the hash only by its group; inside a group it is added
@@ -167,7 +168,8 @@ def _config(
             text["shared_expert_intermediate_size"] = inter
     prefix = "model.language_model" if family == "qwen3_5_moe" else "model"
     if quant is not None:
-        not_converted = ["lm_head", f"{prefix}.embed_tokens"] + [f"{prefix}.layers.{L}.mlp.gate" for L in range(dense, num_layers)]
+        gates = [f"{prefix}.layers.{L}.mlp.gate" for L in range(dense, num_layers)]
+        not_converted = ["lm_head", f"{prefix}.embed_tokens"] + gates
         quant = _quant_config(fmt, quant[0], quant[1], not_converted)
     if family == "qwen3_5_moe":
         cfg = {
@@ -272,8 +274,9 @@ def write_synthetic_checkpoint(
     (mlp.experts.gate_up_proj / down_proj) instead of per-expert tensors; its
     values equal the per-expert ones. Tensors are dealt to files round-robin in
     write order, skipping a file every 5 tensors, so with num_files > 1 some
-    weights share a file with their scale and some do not. Non-expert tensors (embeddings, router, shared expert, dense MLPs,
-    Qwen3.5 mtp.* and model.visual.*, DeepSeek's MTP layer) are small stand-ins, except:
+    weights share a file with their scale and some do not. Non-expert tensors (embeddings,
+    router, shared expert, dense MLPs, Qwen3.5 mtp.* and model.visual.*, DeepSeek's MTP
+    layer) are small stand-ins, except:
     shared_expert=True writes each MoE layer's shared expert (DeepSeek mlp.shared_experts,
     Qwen mlp.shared_expert) shaped like a routed expert, with the values of expert id
     num_experts (the id SGLang's loader fuses it as); draft=True (Qwen3.5) writes the

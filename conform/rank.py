@@ -346,7 +346,8 @@ def rank_main(rank: int, job: RankJob) -> None:
         kind = ("layout" if isinstance(err, ForkError) else "refused" if isinstance(err, MoetraceError) else
                 "timeout" if type(err).__name__ == "SimTimeout" else
                 "peer" if "Connection closed by peer" in str(err) or "Connection reset" in str(err) else "crash")
-        out["error"] = f"{type(err).__name__}: {' '.join(str(err).split())}{_fork_frame(err, {c.fork_file for c in job.cases})}"
+        frame = _fork_frame(err, {c.fork_file for c in job.cases})
+        out["error"] = f"{type(err).__name__}: {' '.join(str(err).split())}{frame}"
         out["error_kind"] = kind
         out["traceback"] = traceback.format_exc()
     path = Path(job.results) / f"rank{rank}.json"

@@ -101,7 +101,8 @@ class EmulatorConfig:
                 raise MoetraceError("--slow-rank 0 is refused: rank 0 waits for its own copies before every refill, "
                                     "so a slow rank 0 cannot race; pick a peer rank (1..tp-1) or -1 for none")
             if self.tp > 1 and not 0 < self.slow_rank < self.tp:
-                raise MoetraceError(f"--slow-rank {self.slow_rank} is not a peer rank of --tp {self.tp} (use 1..{self.tp - 1} or -1)")
+                raise MoetraceError(f"--slow-rank {self.slow_rank} is not a peer rank of --tp {self.tp} (use "
+                                    f"1..{self.tp - 1} or -1)")
         if self.slow_tensor not in WEIGHT_NAMES_FP8:
             raise MoetraceError(f"slow_tensor must be one of {', '.join(WEIGHT_NAMES_FP8)}, got {self.slow_tensor!r}")
         if self.chunk_tokens < 1 or self.prefill_threshold < 1:
@@ -109,7 +110,8 @@ class EmulatorConfig:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise MoetraceError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.host not in ("127.0.0.1", "localhost"):
-            raise MoetraceError(f"the emulator serves on loopback only (127.0.0.1 or localhost), got --host {self.host}")
+            raise MoetraceError(f"the emulator serves on loopback only (127.0.0.1 or localhost), got --host "
+                                f"{self.host}")
         if not isinstance(self.forward_hooks, tuple):
             raise MoetraceError("forward_hooks must be a tuple of hook-spec dicts")
         if self.transport not in ("emulator", "fork") or self.writer not in ("kt-kernel", "moetrace"):

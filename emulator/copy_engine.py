@@ -138,7 +138,8 @@ class CopyEngine:
         with self._cv:
             while self._incomplete and min(self._incomplete) < seq:
                 if self._error is not None:
-                    raise StagingTimeout(f"rank {self.rank}: copy engine failed while waiting for {what}: {self._error}")
+                    raise StagingTimeout(f"rank {self.rank}: copy engine failed while waiting for {what}: "
+                                         f"{self._error}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StagingTimeout(

@@ -30,7 +30,8 @@ def normalize_request(req) -> dict:
     if isinstance(req, (str, list, tuple)):
         req = {"prompt": req}
     if not isinstance(req, dict) or "prompt" not in req:
-        raise MoetraceError(f"a request is a prompt string, a list of token ids or {{'prompt': ..., 'max_tokens': n}}, got {req!r:.80}")
+        raise MoetraceError(f"a request is a prompt string, a list of token ids or {{'prompt': ..., 'max_tokens': n}}, "
+                            f"got {req!r:.80}")
     prompt = req["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # OpenAI allows a batch of one

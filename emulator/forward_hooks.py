@@ -36,7 +36,8 @@ def parse_forward_hooks(text: str | None) -> tuple[dict, ...]:
     if isinstance(data, dict):
         data = [data]
     if not isinstance(data, list) or not all(isinstance(s, dict) for s in data):
-        raise MoetraceError("--forward-hooks must be a JSON list of objects with name, target_modules, hook_factory, config")
+        raise MoetraceError("--forward-hooks must be a JSON list of objects with name, target_modules, hook_factory, "
+                            "config")
     return tuple(data)
 
 

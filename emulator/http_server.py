@@ -84,7 +84,8 @@ class CompletionServer:
                          "token_ids": gen.output_ids}],
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
                       "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}},
-            "moetrace": {"prompt_token_ids": gen.prompt_ids, "prefill_chunks": gen.chunks, "staged_loads": staged_loads},
+            "moetrace": {"prompt_token_ids": gen.prompt_ids, "prefill_chunks": gen.chunks,
+                         "staged_loads": staged_loads},
         }
         if req.get("return_token0_logits"):
             body["moetrace"]["token0_logits"] = gen.token0_logits.tolist()

@@ -110,7 +110,8 @@ class RankGroup:
                 code = p.exitcode
                 if code == 0 and self.mode != "serve":
                     continue
-                how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+                signalled = code is not None and code < 0
+                how = f"killed by {signal.Signals(-code).name}" if signalled else f"exit code {code}"
                 return f"rank {r} (pid {p.pid}) exited unexpectedly ({how})"
         return None
 

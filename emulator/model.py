@@ -144,7 +144,8 @@ class EmulatedFusedMoE(nn.Module):
             "w2_weight_scale_inv": ((num_experts, -(-hidden // bn), -(-i_tp // bk)), torch.float32),
         }
         for name, (shape, dtype) in shapes.items():
-            self.register_parameter(name, nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False))
+            zeros = torch.zeros(shape, dtype=dtype, device=device)
+            self.register_parameter(name, nn.Parameter(zeros, requires_grad=False))
         self.quant_method = quant_method
 
     def expert_params(self) -> dict[str, torch.Tensor]:

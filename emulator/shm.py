@@ -90,7 +90,8 @@ class HostSlots:
             for r in ranks:
                 for name in layout.names:
                     nbytes = 2 * layout.expert_nbytes(name)
-                    shm = shared_memory.SharedMemory(name=slot_name(prefix, r, name), create=create, size=nbytes if create else 0)
+                    shm = shared_memory.SharedMemory(name=slot_name(prefix, r, name), create=create,
+                                                     size=nbytes if create else 0)
                     self._shms[(r, name)] = shm
                     shape, dtype = layout.spec(name)
                     raw = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)

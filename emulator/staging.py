@@ -118,7 +118,8 @@ def slot_layout(gpu_layer: torch.nn.Module) -> SlotLayout:
 
 
 def open_runtime(*, rank: int, world: int, prefix: str, layout: SlotLayout, fence: str, device: torch.device,
-                 slow_rank: int | None, slow_tensor: str, timeout_s: float, unlink_after_attach: bool) -> StagingRuntime:
+                 slow_rank: int | None, slow_tensor: str, timeout_s: float,
+                 unlink_after_attach: bool) -> StagingRuntime:
     """Collective: rank 0 creates the control block and every rank's slots, the
     others attach, then (by default) rank 0 unlinks the names."""
     control = slots = None

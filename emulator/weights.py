@@ -22,7 +22,8 @@ def dims_from_checkpoint(ckpt) -> ModelDims:
     """ModelDims of an opened moetrace Checkpoint; refuses what the emulator cannot stage."""
     spec = ckpt.spec
     if spec.fmt != "fp8_block":
-        raise MoetraceError(f"{ckpt.path}: the emulator stages FP8 block checkpoints (fp8_block), this one is {spec.fmt}")
+        raise MoetraceError(f"{ckpt.path}: the emulator stages FP8 block checkpoints (fp8_block), this one is "
+                            f"{spec.fmt}")
     top_k = int(_text_config(ckpt.config).get("num_experts_per_tok", 8) or 8)
     return ModelDims(
         num_layers=spec.num_layers,

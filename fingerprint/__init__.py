@@ -111,7 +111,8 @@ def _rows_chunk_digests_host(flat: memoryview, n_rows: int, row_len: int) -> np.
     n = n_chunks_for(row_len)
     out = np.empty((n_rows, n, DIGEST_BYTES), dtype=np.uint8)
     for r in range(n_rows):
-        out[r] = np.frombuffer(_host_chunk_digests(flat, r * row_len, (r + 1) * row_len), dtype=np.uint8).reshape(n, DIGEST_BYTES)
+        digests = _host_chunk_digests(flat, r * row_len, (r + 1) * row_len)
+        out[r] = np.frombuffer(digests, dtype=np.uint8).reshape(n, DIGEST_BYTES)
     return out
 
 
@@ -228,6 +229,7 @@ def fingerprint(t: "torch.Tensor", method: str | None = None) -> Fingerprint:
     return finalize(row_chunk_digests(rows, method), rows.shape[1])[0]
 
 
-def fingerprint_many(tensors: Sequence["torch.Tensor"] | Iterable["torch.Tensor"], method: str | None = None) -> list[Fingerprint]:
+def fingerprint_many(tensors: Sequence["torch.Tensor"] | Iterable["torch.Tensor"],
+                     method: str | None = None) -> list[Fingerprint]:
     """Fingerprints of many tensors in one call, in order."""
     return [fingerprint(t, method) for t in tensors]

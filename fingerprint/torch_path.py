@@ -88,7 +88,8 @@ def _0to16(b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     if n <= 3:
         c = b.to(torch.int64)
         combined = c[:, n - 1] | (n << 8) | (c[:, 0] << 16) | (c[:, n >> 1] << 24)
-        swapped = ((combined & 0xFF) << 24) | (((combined >> 8) & 0xFF) << 16) | (((combined >> 16) & 0xFF) << 8) | (combined >> 24)
+        swapped = (((combined & 0xFF) << 24) | (((combined >> 8) & 0xFF) << 16) | (((combined >> 16) & 0xFF) << 8)
+                   | (combined >> 24))
         rot = ((swapped << 13) | (swapped >> 19)) & ref.M32
         low = (_secret(0, 4) ^ _secret(4, 4)) ^ combined
         high = (_secret(8, 4) ^ _secret(12, 4)) ^ rot
@@ -177,7 +178,8 @@ def _words_at(b: torch.Tensor, start: int, count: int) -> torch.Tensor:
 
 
 def _large(b: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if sys.byteorder != "little":  # words are viewed in the device's byte order: little-endian on CUDA and x86/ARM hosts
+    # words are viewed in the device's byte order: little-endian on CUDA and x86/ARM hosts
+    if sys.byteorder != "little":
         raise RuntimeError("the torch XXH3 path reads words in little-endian byte order")
     m, dev = b.shape[0], b.device
     consts = _large_constants(dev)
@@ -244,7 +246,8 @@ def row_chunk_digests(rows: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
     if n_full:
         full = rows[:, : n_full * chunk_bytes]
         for i in range(r):
-            chunks = full[i].reshape(n_full, chunk_bytes) if full[i].is_contiguous() else full[i].contiguous().view(n_full, chunk_bytes)
+            row = full[i] if full[i].is_contiguous() else full[i].contiguous()
+            chunks = row.view(n_full, chunk_bytes)
             for s in range(0, n_full, _BATCH):
                 out[i, s : min(s + _BATCH, n_full)] = xxh3_128_rows(chunks[s : s + _BATCH])
     if tail:

@@ -72,7 +72,8 @@ class FusedMoECapture:
                 return None
             tensors = expert_tensors(module)
             if not tensors:
-                tr.note_once(f"{type(module).__name__} at {model} layer {layer} has no FusedMoE expert params: not captured")
+                tr.note_once(f"{type(module).__name__} at {model} layer {layer} has no FusedMoE expert params: not "
+                             f"captured")
                 return None
             n_slots = next(iter(tensors.values())).shape[0]
             try:
@@ -81,7 +82,8 @@ class FusedMoECapture:
                 tr.note_once(f"{model} layer {layer}: slots not mapped to experts, not captured: {err}")
                 return None
             if slots is None:
-                tr.note_once(f"{model} layer {layer}: no GPU-resident experts (KT keeps a dummy slot): resident capture skipped")
+                tr.note_once(f"{model} layer {layer}: no GPU-resident experts (KT keeps a dummy slot): resident "
+                             f"capture skipped")
                 return None
             used = [i for i, e in enumerate(slots.experts) if e != UNUSED]
             if len(used) < n_slots:

@@ -179,7 +179,8 @@ class KTLoadCapture:
                              "BF16 staged layers; docs/compat.md)")
                 return
             if not tensors:
-                names = sorted(n for n, _ in gpu_layer.named_parameters()) if hasattr(gpu_layer, "named_parameters") else []
+                params = gpu_layer.named_parameters() if hasattr(gpu_layer, "named_parameters") else ()
+                names = sorted(n for n, _ in params)
                 tr.note_once(f"staged layer holds no FP8/BF16 FusedMoE tensors ({', '.join(names) or 'none'}): "
                              "staged capture skipped for this format")
                 return

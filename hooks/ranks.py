@@ -80,7 +80,8 @@ def detect_stage(pp_rank: int | None = None, pp_size: int | None = None) -> tupl
     ps = sys.modules.get("sglang.srt.distributed")
     if ps is not None:
         try:
-            return int(ps.get_pipeline_model_parallel_rank()), int(ps.get_pipeline_model_parallel_world_size()), "sglang"
+            rank, size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+            return int(rank), int(size), "sglang"
         except Exception:
             pass
     return 0, int(pp_size or 1), "default"

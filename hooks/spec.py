@@ -55,4 +55,5 @@ def index_fits(index: str, tp_size: int | None = None, model_path: str | None = 
 
 def hook_spec(config: dict, targets=DEFAULT_TARGETS, name: str = SPEC_NAME) -> list[dict]:
     """The ``--forward-hooks`` list with one moetrace entry."""
-    return [{"name": name, "target_modules": list(targets), "hook_factory": FACTORY_PATH, "config": hook_config(config)}]
+    return [{"name": name, "target_modules": list(targets), "hook_factory": FACTORY_PATH,
+             "config": hook_config(config)}]

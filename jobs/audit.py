@@ -52,9 +52,12 @@ class ReportFiles:
         words); returns the errors of those that could not be written (the one-line error
         about the trace comes first). All or none, as write()."""
         return self._write_all([
-            ("--json-out", self.json_out, "json", lambda p: outputs.write_local_text(p, "--json-out", render.unusable_json(message))),
-            ("--markdown", self.markdown, "markdown", lambda p: outputs.write_local_text(p, "--markdown", render.unusable_markdown(message))),
-            ("--junit", self.junit, "junit", lambda p: outputs.write_local_text(p, "--junit", render.unusable_junit(message))),
+            ("--json-out", self.json_out, "json",
+             lambda p: outputs.write_local_text(p, "--json-out", render.unusable_json(message))),
+            ("--markdown", self.markdown, "markdown",
+             lambda p: outputs.write_local_text(p, "--markdown", render.unusable_markdown(message))),
+            ("--junit", self.junit, "junit",
+             lambda p: outputs.write_local_text(p, "--junit", render.unusable_junit(message))),
             ("--plot", self.plot, "plot", lambda p: plot_unusable(message, p)),
         ])[1]
 
@@ -64,8 +67,10 @@ class ReportFiles:
         so no report at those paths (this run's or an earlier run's) survives to be taken
         for this run's verdict."""
         return self._write_all([
-            ("--json-out", self.json_out, "json", lambda p: outputs.write_local_text(p, "--json-out", render.to_json(rep))),
-            ("--markdown", self.markdown, "markdown", lambda p: outputs.write_local_text(p, "--markdown", render.to_markdown(rep))),
+            ("--json-out", self.json_out, "json",
+             lambda p: outputs.write_local_text(p, "--json-out", render.to_json(rep))),
+            ("--markdown", self.markdown, "markdown",
+             lambda p: outputs.write_local_text(p, "--markdown", render.to_markdown(rep))),
             ("--junit", self.junit, "junit", lambda p: outputs.write_local_text(p, "--junit", render.to_junit(rep))),
             ("--plot", self.plot, "plot", lambda p: make_plot(rep, p)),
         ])
@@ -206,7 +211,8 @@ def _hand_index(config: dict, index: str) -> None:
     given = config.get("index")
     if given is not None:
         given_local = outputs.local_path(str(given))
-        same = (os.path.abspath(given_local) == path) if given_local is not None and local is not None else given == index
+        both_local = given_local is not None and local is not None
+        same = (os.path.abspath(given_local) == path) if both_local else given == index
         if not same:
             raise MoetraceError(f"audit --launch: --hook-config names index {given} but --index is {index}: one index "
                                 "per audit; drop the hook config's index (--index reaches the hooks)")
@@ -230,7 +236,8 @@ def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[st
         config.setdefault("checkpoint_id", ckpt.identity)
         # the model's sizes are known: ranges past them are errors, never expanded in every server worker
         parse_ids(config.get("layers"), "--hook-config layers", bound=ckpt.spec.num_layers)
-        parse_ids(config.get("experts"), "--hook-config experts", bound=ckpt.spec.num_experts + ckpt.spec.shared_experts)
+        parse_ids(config.get("experts"), "--hook-config experts",
+                  bound=ckpt.spec.num_experts + ckpt.spec.shared_experts)
     try:
         run_dir, server_code, res = launch_and_drive(launch.command, config, launch.traffic, launch.base_url,
                                                      echo=progress, live=live, server_flags=launch.server_flags,

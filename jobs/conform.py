@@ -61,8 +61,8 @@ def experts_held(report, fmt: str, tp: int, experts: int) -> dict[int, dict[str,
 
 
 def _refused(plan: Plan, tp: int, error: str) -> ConformResult:
-    return ConformResult(plan.case, tp, plan.fork, ExitCode.INCOMPLETE, plan.status, "", "", "", [], {}, [], "", error=error,
-                         patch=plan.patch, method=plan.method)
+    return ConformResult(plan.case, tp, plan.fork, ExitCode.INCOMPLETE, plan.status, "", "", "", [], {}, [], "",
+                         error=error, patch=plan.patch, method=plan.method)
 
 
 def run_conform(cases: Sequence[Case], tp: int = 2, workdir: str | None = None,

@@ -48,8 +48,8 @@ def run_release(version: str, rel, formats: Sequence[str], tp: int, experts: int
                 writer: str) -> list[dict]:
     if rel.path is None:
         return [{"release": version, "kt_kernel": rel.kt_kernel, "format": "-", "fence": "-",
-                 "verdict": "NOT INSTALLED", "exit_code": int(ExitCode.INCOMPLETE), "e_plus_k": [], "seconds": 0.0, "why": rel.why,
-                 "writer_kind": None, "result": None}]
+                 "verdict": "NOT INSTALLED", "exit_code": int(ExitCode.INCOMPLETE), "e_plus_k": [], "seconds": 0.0,
+                 "why": rel.why, "writer_kind": None, "result": None}]
     cases = [Case(f, schedule, fenced, writer, experts, str(rel.path)) for f in formats for fenced in (False, True)]
     t0 = time.perf_counter()
     results = run_conform(cases, tp=tp)

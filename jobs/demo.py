@@ -82,7 +82,8 @@ def _run_demo(workdir: Path, device: str, quick: bool, transport: str, progress:
         }
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     unf, fen = summary["runs"]["unfenced"], summary["runs"]["fenced"]
-    summary["race_found"] = unf["audit_exit_code"] == ExitCode.DIVERGENT and any("(E+2)" in s for s in unf["first_divergence"])
+    summary["race_found"] = (unf["audit_exit_code"] == ExitCode.DIVERGENT
+                             and any("(E+2)" in s for s in unf["first_divergence"]))
     summary["fix_validated"] = fen["audit_exit_code"] == ExitCode.PASS
     return summary
 

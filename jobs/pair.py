@@ -206,11 +206,13 @@ def judge_detector(unf, fen, guards: tuple[dict, dict] | None = None) -> dict:
         for e in first
     )
     totals = fen.doc["totals"]
-    clean = fen.exit_code == ExitCode.PASS and totals["missing"] == 0 and totals["divergent"] == 0 and totals["tensors"] > 0
+    clean = (fen.exit_code == ExitCode.PASS and totals["missing"] == 0 and totals["divergent"] == 0
+             and totals["tensors"] > 0)
     problems = []
     if not caught:
         got = "; ".join(f["sentence"] for f in unf.doc["first_divergence"]) or "no divergence"
-        problems.append(f"unfenced run not caught as E+2 on rank 1's w2_weight_scale_inv (audit exit {unf.exit_code}: {got})")
+        problems.append(f"unfenced run not caught as E+2 on rank 1's w2_weight_scale_inv (audit exit {unf.exit_code}: "
+                        f"{got})")
     if not clean:
         problems.append(f"fenced run is not a clean complete audit (exit {fen.exit_code}: {totals['sentence']})")
     if guards is not None:

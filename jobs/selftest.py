@@ -105,7 +105,8 @@ def device_methods(dev: torch.device) -> list[str]:
     return [first] + [m for m in ("torch",) if m != first]
 
 
-def prove_fingerprint(device: str, quick: bool, on_device: Callable[[torch.Tensor], F.Fingerprint] | None = None) -> Proof:
+def prove_fingerprint(device: str, quick: bool,
+                      on_device: Callable[[torch.Tensor], F.Fingerprint] | None = None) -> Proof:
     """``on_device(t)``: the device path under proof (default: every path `device` runs)."""
 
     def run():
@@ -139,7 +140,8 @@ def prove_fingerprint(device: str, quick: bool, on_device: Callable[[torch.Tenso
             f"fp_version {F.FP_VERSION}, {checked} cases: {where} digests equal the CPU reference bit for bit; "
             "bit flips and chunk swaps change them"
             if ok
-            else "; ".join(filter(None, [f"{where} != CPU for {', '.join(mismatches[:5])}" if mismatches else "", sensitivity]))
+            else "; ".join(filter(None, [f"{where} != CPU for {', '.join(mismatches[:5])}" if mismatches else "",
+                                         sensitivity]))
         )
         return ok, detail, {"cases": checked, "mismatches": mismatches, "methods": methods, "fp_version": F.FP_VERSION}
 
@@ -299,7 +301,8 @@ def as_json(code: int, proofs: list[Proof], device: str) -> dict:
     return {
         "selftest_version": 1,
         "device": device,
-        "device_name": torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else os.uname().machine,
+        "device_name": (torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available()
+                        else os.uname().machine),
         "torch": torch.__version__,
         "exit_code": int(code),
         "verdict": verdict_line(code, proofs, device),

@@ -58,7 +58,8 @@ def cpu_description() -> str:
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip()
-                if key in ("model name", "Model", "CPU part") and model in ("", platform.machine(), platform.processor()):
+                unnamed = model in ("", platform.machine(), platform.processor())
+                if key in ("model name", "Model", "CPU part") and unnamed:
                     model = value.strip()
                 elif key in ("flags", "Features") and not flags:
                     flags = set(value.split())

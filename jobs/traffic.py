@@ -162,8 +162,9 @@ def _send(base_url: str, traffic: Traffic, server_alive: Callable[[], bool], ech
     ours = listener_is_ours() if listener_is_ours is not None else None
     if port_check is not None:
         port_check["listener_verified"] = ours
-        port_check["how"] = port_check["how"] or ("/proc: a process of the server's session holds the listening socket"
-                                                  if ours else "/proc" if ours is False else "cannot tell on this system")
+        how = ("/proc: a process of the server's session holds the listening socket" if ours
+               else "/proc" if ours is False else "cannot tell on this system")
+        port_check["how"] = port_check["how"] or how
     if ours is False:
         res.error = (f"the server answering {base_url} is not the one started (no process of its group listens on "
                      "that port): another process holds it; no traffic sent")

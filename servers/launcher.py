@@ -99,7 +99,8 @@ def summary_line(run_id: str, manifests: dict[str, dict], expected_ranks: int | 
     if guards:  # the guard's counts: its trace rows may be the mismatches only
         t = {k: sum(int((g.get("tensors") or {}).get(k) or 0) for g in guards) for k in ("match", "mismatch")}
         loads = sum(int((g.get("loads") or {}).get("mismatch") or 0) for g in guards)
-        line += f"; guard: {t['match'] + t['mismatch']:,} tensors verified, {t['mismatch']:,} mismatched in {loads:,} loads"
+        line += (f"; guard: {t['match'] + t['mismatch']:,} tensors verified, {t['mismatch']:,} mismatched in "
+                 f"{loads:,} loads")
     elif online and (match or mismatch or indexed):
         line += f"; online check: {match:,} match, {mismatch:,} mismatch"
         if unchecked:
@@ -126,7 +127,8 @@ class Launcher:
                  replace: bool = False, echo: Callable[[str], None] = print,
                  targets: Sequence[str] = DEFAULT_TARGETS):
         if not cmd:
-            raise MoetraceError("launch: give the server command after --, e.g. moetrace launch --out t -- python -m sglang.launch_server ...")
+            raise MoetraceError("launch: give the server command after --, e.g. moetrace launch --out t -- python -m "
+                                "sglang.launch_server ...")
         if server_flags not in FLAG_CHOICES:
             raise MoetraceError(f"--server-flags {server_flags!r}: expected one of {', '.join(FLAG_CHOICES)}")
         self.user_cmd = list(cmd)
@@ -166,8 +168,8 @@ class Launcher:
         self.run_manifest = new_run_manifest(
             self.run_id, self.config["out"], run_nonce=self.nonce, replaced=replace, sglang_version=self.sglang_version,
             sglang_version_found_by=how, server_distribution={"name": dist[0], "version": dist[1]} if dist else None,
-            cuda_graph_flags=list(self.flags or ()), cuda_graph_flags_found_by=self.flags_found_by, user_command=self.user_cmd,
-            command=self.cmd, hook_spec=self.spec, expected_ranks=self.expected_ranks,
+            cuda_graph_flags=list(self.flags or ()), cuda_graph_flags_found_by=self.flags_found_by,
+            user_command=self.user_cmd, command=self.cmd, hook_spec=self.spec, expected_ranks=self.expected_ranks,
             tp_size=self.expected_ranks, checkpoint_id=self.config.get("checkpoint_id"),
         )
 
@@ -198,7 +200,8 @@ class Launcher:
         except MoetraceError:
             raise
         except Exception as err:
-            raise MoetraceError(f"--out {out}: cannot write {self.run_dir}/{RUN_MANIFEST_NAME} ({_first_line(err)})") from None
+            raise MoetraceError(f"--out {out}: cannot write {self.run_dir}/{RUN_MANIFEST_NAME} "
+                                f"({_first_line(err)})") from None
 
     def _probe_flags(self) -> None:
         """--server-flags auto without the fork's distribution: the server command's own
@@ -207,7 +210,8 @@ class Launcher:
         if self.flags is not None:
             return
         if invokes_sglang(self.user_cmd):
-            self.flags, self.flags_found_by = cuda_graph_flags_for(self.user_cmd, self._server_flags, self._distribution)
+            self.flags, self.flags_found_by = cuda_graph_flags_for(self.user_cmd, self._server_flags,
+                                                                   self._distribution)
         else:
             self.flags, self.flags_found_by = LEGACY_CUDA_GRAPH_FLAGS, "default"
         self.cmd = build_command(self.user_cmd, self.spec, self.flags)
@@ -287,8 +291,8 @@ class Launcher:
                 self._stop["escalation"] = "none"
                 return
         how = "second-signal" if self._second_signal() else "grace-expired"
-        self.echo(f"moetrace: {'second signal' if how == 'second-signal' else f'still running after {self.stop_grace_s:g} s'}"
-                  ": killing the server's process group")
+        why = "second signal" if how == "second-signal" else f"still running after {self.stop_grace_s:g} s"
+        self.echo(f"moetrace: {why}: killing the server's process group")
         self._stop.update(escalation=how, group_killed=True)
         self.server.kill()
 

@@ -24,7 +24,8 @@ def _command_modules() -> dict[str, click.Command]:
         if info.name == "options":
             continue
         module = importlib.import_module(f"moetrace.commands.{info.name}")
-        defined = [v for v in vars(module).values() if isinstance(v, click.Command) and getattr(v.callback, "__module__", None) == module.__name__]
+        defined = [v for v in vars(module).values()
+                   if isinstance(v, click.Command) and getattr(v.callback, "__module__", None) == module.__name__]
         assert len(defined) == 1, f"commands/{info.name}.py defines {len(defined)} commands, expected one"
         found[info.name] = defined[0]
     return found

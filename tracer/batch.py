@@ -83,7 +83,12 @@ class CaptureBatch:
 
     @property
     def host_bytes(self) -> int:
-        chunks = 0 if self.chunks is None else int(self.chunks.nbytes) if isinstance(self.chunks, np.ndarray) else self.chunks.numel() * self.chunks.element_size()
+        if self.chunks is None:
+            chunks = 0
+        elif isinstance(self.chunks, np.ndarray):
+            chunks = int(self.chunks.nbytes)
+        else:
+            chunks = self.chunks.numel() * self.chunks.element_size()
         return chunks + sum(int(t.numel() * t.element_size()) for _, t, _, _ in self.dumps) + 256 * self.n_rows
 
 

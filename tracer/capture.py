@@ -125,8 +125,8 @@ class Tracer:
 
     # ------------------------------------------------------------ models and steps
 
-    def register_model(self, name: str, *, pass_id: Callable[[], int] | None = None, steps_found_by: str = "layer-order",
-                       **facts) -> ModelState:
+    def register_model(self, name: str, *, pass_id: Callable[[], int] | None = None,
+                       steps_found_by: str = "layer-order", **facts) -> ModelState:
         """Declare a model the hooks serve (first declaration wins; `facts` go to the
         manifest's ``models`` entry: architecture, found_by, layers)."""
         with self._lock:

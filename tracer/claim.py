@@ -102,6 +102,6 @@ def refusal_problem(doc: dict) -> str:
     owner = doc.get("claimed_by") or {}
     why = "a process of an earlier launch under the same run id" if another_launch(owner, doc) else \
         "two processes with one identity"
-    return (f"process pid {doc.get('pid', '?')} on {doc.get('host', '?')} was refused: rank {doc.get('rank_label', '?')} "
-            f"already belonged to pid {owner.get('pid', '?')} on {owner.get('host', '?')} ({why}; that process traced "
-            "nothing)")
+    return (f"process pid {doc.get('pid', '?')} on {doc.get('host', '?')} was refused: rank "
+            f"{doc.get('rank_label', '?')} already belonged to pid {owner.get('pid', '?')} on {owner.get('host', '?')} "
+            f"({why}; that process traced nothing)")

@@ -43,7 +43,8 @@ def rank_problems(m: dict) -> list[str]:
     guard = m.get("guard") if isinstance(m.get("guard"), dict) else None
     problems += guard_problems(guard)
     if not count_of(m, "rows_written") and not (guard and guard.get("rows") == "mismatch" and _guard_checked(guard)):
-        problems.append("wrote 0 rows (nothing captured: check the sampling filters and that traffic reached the server)")
+        problems.append("wrote 0 rows (nothing captured: check the sampling filters and that traffic reached the "
+                        "server)")
     listed = sum(int(p.get("rows") or 0) for p in m.get("parts") or [] if isinstance(p, dict))
     if "parts" in m and listed != count_of(m, "rows_written"):
         problems.append(f"lists parts of {listed:,} rows but says it wrote {count_of(m, 'rows_written'):,}")
@@ -171,7 +172,8 @@ def run_problems(manifests: dict[str, dict], expected_ranks: int | None, *, serv
         missing = [r for r in want if r not in manifests]
         extra = [r for r in manifests if r not in want]
         if missing:
-            problems.append(f"{len(want) - len(missing)}/{len(want)} ranks reported (no manifest from rank {id_list(missing)})")
+            problems.append(f"{len(want) - len(missing)}/{len(want)} ranks reported (no manifest from rank "
+                            f"{id_list(missing)})")
         if extra:
             problems.append(f"manifests from unexpected rank {id_list(extra)} (expected ranks {id_list(want)})")
     for r, m in manifests.items():

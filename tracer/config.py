@@ -99,7 +99,8 @@ class TraceConfig:
         unknown = sorted(set(cfg) - names - set(_SAMPLING_KEYS))
         if unknown:
             raise MoetraceError(
-                f"hook config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(names | set(_SAMPLING_KEYS)))}"
+                f"hook config: unknown key(s) {', '.join(unknown)}; known: "
+                f"{', '.join(sorted(names | set(_SAMPLING_KEYS)))}"
             )
         if not cfg.get("out"):
             raise MoetraceError("hook config: 'out' (output folder or URL) is required")
@@ -158,8 +159,8 @@ class TraceConfig:
             raise MoetraceError(f"guard_rows: {self.guard_rows!r}; expected one of {list(GUARD_ROWS)}")
         if self.guard and not self.index:
             raise MoetraceError("guard needs an index (the expected digests it verifies against): give --index")
-        if self.metrics_port is not None and (isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
-                                              or not 0 <= self.metrics_port <= 65535):
+        port = self.metrics_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
             raise MoetraceError(f"metrics_port: {self.metrics_port!r}; expected a port number 0-65535 or null")
         check_metrics_ports(self.metrics_port, self.tp_size, "metrics_port")
         if self.metrics_port is not None and not self.guard:

@@ -44,7 +44,8 @@ class Table:
             rows = [self.row_of.get(e, -1) for e in experts]
             known = [r >= 0 for r in rows]
             dev = self.chunks.device
-            index = None if rows == list(range(self.chunks.shape[0])) else torch.tensor([max(r, 0) for r in rows]).to(dev)
+            in_order = rows == list(range(self.chunks.shape[0]))
+            index = None if in_order else torch.tensor([max(r, 0) for r in rows]).to(dev)
             mask = None if all(known) else torch.tensor(known).to(dev)
             if len(self._lookups) < 64:  # captures name a handful of expert lists per layer
                 self._lookups[experts] = (index, mask)
@@ -134,8 +135,9 @@ def load_expected(path: str, tp_rank: int, device: torch.device) -> ExpectedDige
     groups: dict[tuple[str, int, str], list[tuple[int, int, bytes, bytes]]] = {}
     for model, layer, expert, name, nbytes, digest, chunks in zip(*(table.column(c).to_pylist() for c in _COLUMNS[1:])):
         if chunks is None or len(chunks) != DIGEST_BYTES * n_chunks_for(nbytes):
-            raise MoetraceError(f"index {path}: {'' if model == 'target' else model + ' '}layer {layer} expert {expert} "
-                                f"{name} has no chunk digests of its {nbytes} bytes; rebuild it with `moetrace index`")
+            raise MoetraceError(f"index {path}: {'' if model == 'target' else model + ' '}layer {layer} expert "
+                                f"{expert} {name} has no chunk digests of its {nbytes} bytes; rebuild it with "
+                                "`moetrace index`")
         groups.setdefault((model, int(layer), name), []).append((int(expert), int(nbytes), digest, chunks))
     tables = {}
     for key, rows in groups.items():

@@ -63,7 +63,8 @@ class Guard:
         self.updates: list[dict] = []
         self.failed_closed: dict | None = None
         self.seconds, self.max_load_seconds, self.last_verified = 0.0, 0.0, None
-        self._pass: dict[str, tuple[int, dict, dict]] = {}  # source -> (step, {(layer, tensor): rows verified}, unverified)
+        # source -> (step, {(layer, tensor): rows verified}, unverified)
+        self._pass: dict[str, tuple[int, dict, dict]] = {}
         self.coverage: dict[str, float] = {}
         self._memo: dict[tuple[str, int, str], tuple[object, list[int]]] = {}  # resident: key -> last flags
         self._alerts: list[float] = []

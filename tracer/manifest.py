@@ -327,7 +327,8 @@ def check_rank_manifest(doc, path: str) -> dict:
     for i, part in enumerate(doc["parts"]):
         check_fields(part, Part, f"manifest {path}: parts[{i}]")
         if not PART_FILE.match(part["file"]) or part["file"] in seen:
-            raise MoetraceError(f"manifest {path}: parts[{i}] file {part['file']!r} is not a new part-NNNNN.parquet name")
+            raise MoetraceError(f"manifest {path}: parts[{i}] file {part['file']!r} is not a new part-NNNNN.parquet "
+                                f"name")
         seen.add(part["file"])
     return doc
 

@@ -84,7 +84,8 @@ class GuardMetrics:
         self.loads = prom.Counter(PREFIX + "guard_loads_verified", "Staged loads and resident captures checked, by "
                                   "result (ok, mismatch, unverified)", r + ["source", "result"], **g)
         self.updates = prom.Counter(PREFIX + "guard_weight_updates", "Weight updates seen, by entry point and what "
-                                    "the guard verifies after them (reverified, unverified)", r + ["entry", "result"], **g)
+                                    "the guard verifies after them (reverified, unverified)", r + ["entry", "result"],
+                                    **g)
         self.hook_errors = prom.Counter(PREFIX + "hook_errors", "Errors caught in moetrace's hooks", r, **g)
         self.sink_errors = prom.Counter(PREFIX + "sink_errors", "Errors of moetrace's trace writer", r, **g)
         self.dropped = prom.Counter(PREFIX + "rows_dropped", "Trace rows lost, by reason", r + ["reason"], **g)
@@ -93,7 +94,8 @@ class GuardMetrics:
         self.last = prom.Gauge(PREFIX + "guard_last_verified_timestamp_seconds", "Unix time of the last tensor "
                                "verified", r, multiprocess_mode="mostrecent", **g)
         self.since = prom.Gauge(PREFIX + "guard_seconds_since_last_verification", "Seconds since a tensor was last "
-                                "verified (since the guard started, if none was)", r, multiprocess_mode="mostrecent", **g)
+                                "verified (since the guard started, if none was)", r, multiprocess_mode="mostrecent",
+                                **g)
         self.status_gauge = prom.Gauge(PREFIX + "guard_status", "1 for the guard's current status (ok, mismatch, "
                                        "unverified, waiting)", r + ["status"], multiprocess_mode="mostrecent", **g)
         self.seconds = prom.Histogram(PREFIX + "guard_load_seconds", "The guard's own time per load (fingerprint, "

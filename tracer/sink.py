@@ -351,7 +351,8 @@ class TraceSink:
         try:
             rel, nbytes = write_dump(self.fs, self.rank_dir, self._m["run_id"], b, expert, tensor, want, got)
         except Exception as err:
-            self.record_error("sink", f"dump of layer {b.layer} expert {expert} {b.tensor}: {type(err).__name__}: {err}")
+            self.record_error("sink",
+                              f"dump of layer {b.layer} expert {expert} {b.tensor}: {type(err).__name__}: {err}")
             return
         with self._lock:
             d = self._m["dumps"]
@@ -431,5 +432,6 @@ class TraceSink:
             snap["online"] = dict(self._m["online"])
             snap["dumps"] = {**self._m["dumps"], "files": list(self._m["dumps"]["files"])}
             snap["notes"] = list(self._m["notes"])
-            snap["models"] = {k: {**v, "slot_maps": dict(v.get("slot_maps") or {})} for k, v in self._m["models"].items()}
+            snap["models"] = {k: {**v, "slot_maps": dict(v.get("slot_maps") or {})}
+                              for k, v in self._m["models"].items()}
         storage.write_json(self.fs, storage.join(self.rank_dir, MANIFEST_NAME), snap)
