@@ -124,6 +124,15 @@ def parse_rank_label(label: str) -> tuple[int | None, int | None, int] | None:
             int(m.group(3)))
 
 
+def label_key(label: str) -> tuple[int, int, int]:
+    """A rank label's sort key: (replica, pp_rank, tp_rank), absent parts 0."""
+    parsed = parse_rank_label(str(label))
+    if parsed is None:
+        return (1 << 30, 0, 0)
+    replica, pp, tp = parsed
+    return (replica or 0, pp or 0, tp)
+
+
 # ---------------------------------------------------------------- Parquet schemas
 
 def _int16(*names: str) -> list[pa.Field]:

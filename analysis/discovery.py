@@ -23,16 +23,15 @@ import pyarrow.fs as pafs
 from moetrace import storage
 from moetrace.errors import MoetraceError
 from moetrace.fingerprint import FP_VERSION
-from moetrace.schema import MANIFEST_SCHEMA_VERSION, parse_ids, parse_rank_label
+from moetrace.schema import MANIFEST_SCHEMA_VERSION, label_key, parse_ids, parse_rank_label
 from moetrace.tracer.claim import read_refusals
+from moetrace.tracer.completeness import expected_labels
 from moetrace.tracer.manifest import (
     MANIFEST_NAME,
     PART_FILE,
     RUN_MANIFEST_NAME,
     check_rank_manifest,
     check_run_manifest,
-    expected_labels,
-    label_key,
 )
 
 RANK_DIR = re.compile(r"^rank=([0-9a-z-]+)$")
@@ -288,7 +287,7 @@ def _one_launch(run_path: str, run_json: dict | None, ranks: dict[str, RankFolde
 
 def _expected_ranks(manifests: dict[str, dict], tp_size: int, run_json: dict | None) -> list[str]:
     """Rank labels the run declares: each TP rank 0..tp_size-1 of every stage and replica the
-    manifests name (tracer.manifest.expected_labels), plus every rank _run.json lists or counts."""
+    manifests name (tracer.completeness.expected_labels), plus every rank _run.json lists or counts."""
     counts = {tp_size} | ({run_json[k] for k in ("expected_ranks", "tp_size") if run_json[k] is not None}
                           if run_json is not None else set())
     expected = {label for n in counts for label in expected_labels(manifests, n) or []}

@@ -32,10 +32,9 @@ from moetrace.analysis.summaries import load_summaries
 from moetrace.analysis.trace import read_trace
 from moetrace.analysis.verdicts import MATCH, MISSING, OUT_OF_SCOPE, VERDICTS
 from moetrace.errors import ExitCode, MoetraceError
-from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES, format_ids, parse_rank_label
+from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES, format_ids, label_key, parse_rank_label
 from moetrace.tracer.claim import refusal_problem
 from moetrace.tracer.completeness import guard_vouches, rank_problems, run_file_problems
-from moetrace.tracer.manifest import label_key
 
 MAX_ROWS_DEFAULT = 1000  # divergent rows listed in the JSON document
 MAX_MISSING_LISTED = 64  # missing (expert, tensor) entries listed per load

@@ -8,8 +8,7 @@ import pandas as pd
 from moetrace.analysis.coverage import Analysis
 from moetrace.analysis.sentences import load_label, summary_fragment
 from moetrace.analysis.verdicts import MISSING, STALE, VERDICTS, WRONG_LAYER, WRONG_RANK, WRONG_TENSOR
-from moetrace.schema import SOURCES, copy_position, parse_rank_label
-from moetrace.tracer.manifest import label_key
+from moetrace.schema import SOURCES, copy_position, label_key, parse_rank_label
 
 
 def load_summaries(a: Analysis, drows: np.ndarray, multi_source: bool, multi_run: bool) -> list[dict]:

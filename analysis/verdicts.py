@@ -8,7 +8,7 @@ Order of questions asked of a row (the first yes wins):
    its (expert, tensor).
 3. ``match``: its fingerprint equals the expected one.
 4. ``zeros`` / ``constant``: it equals a constant fill of its size (zeros, or a
-   value from ``CONSTANT_CANDIDATES`` for its dtype). A constant has no
+   value from ``analysis.constants.CONSTANT_CANDIDATES`` for its dtype). A constant has no
    identity, so this is asked before "which tensor is it".
 5. ``stale`` (E+k), ``wrong_rank``, ``wrong_layer``, ``wrong_tensor``: it equals
    some index entry; the entry closest to the expected key names the relation
@@ -27,14 +27,13 @@ that reach step 6, and over distinct (dtype, size) pairs for constants.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
-import torch
 
+from moetrace.analysis.constants import constant_candidates, constant_fingerprint
 from moetrace.analysis.expected import IndexData
 from moetrace.analysis.trace import TraceData, digest_pair, read_chunk_digests
-from moetrace.fingerprint import CHUNK_BYTES, fingerprint
+from moetrace.fingerprint import CHUNK_BYTES
 
 # Verdict codes. Ordered roughly by how bad they are to a reader of the plot.
 MATCH, STALE, WRONG_RANK, WRONG_LAYER, WRONG_TENSOR, ZEROS, CONSTANT, TORN, UNKNOWN, UNEXPECTED, MISSING = range(11)
@@ -43,17 +42,6 @@ VERDICTS = (
     "match", "stale", "wrong_rank", "wrong_layer", "wrong_tensor", "zeros", "constant", "torn",
     "unknown", "unexpected", "missing",
 )
-
-# Values tried for "constant fill" per dtype name (zeros are tried for every dtype).
-CONSTANT_CANDIDATES = {
-    "float32": (1.0, -1.0, float("nan"), float("inf")),
-    "bfloat16": (1.0, -1.0, float("nan"), float("inf")),
-    "float16": (1.0, -1.0, float("nan"), float("inf")),
-    "float8_e4m3fn": (1.0, -1.0, float("nan"), 448.0),
-    "float8_e5m2": (1.0, -1.0, float("nan"), float("inf")),
-}
-BYTE_FILLS = (0xFF,)  # raw byte patterns tried for every dtype (uninitialized memory)
-
 
 @dataclass
 class Verdicts:
@@ -172,44 +160,6 @@ class KeyLookup:
 
 
 # ---------------------------------------------------------------- constants
-
-
-def _dtype_of(name: str) -> torch.dtype | None:
-    dt = getattr(torch, name, None)
-    return dt if isinstance(dt, torch.dtype) else None
-
-
-def _fill_bytes(dtype_name: str, value: float) -> bytes | None:
-    dt = _dtype_of(dtype_name)
-    if dt is None:
-        return None
-    try:
-        t = torch.tensor([value], dtype=torch.float32).to(dt)
-    except (RuntimeError, TypeError):
-        return None
-    return t.view(torch.uint8).numpy().tobytes()
-
-
-@lru_cache(maxsize=4096)
-def constant_fingerprint(pattern: bytes, nbytes: int):
-    """Fingerprint of `nbytes` bytes repeating `pattern` (cached per pattern and size)."""
-    reps = -(-nbytes // len(pattern))
-    arr = np.frombuffer(pattern * min(reps, CHUNK_BYTES), dtype=np.uint8)
-    if reps > CHUNK_BYTES:
-        arr = np.tile(arr, -(-reps // CHUNK_BYTES))
-    return fingerprint(torch.from_numpy(arr[:nbytes].copy()))
-
-
-def constant_candidates(dtype_name: str, nbytes: int) -> list[tuple[str, bytes]]:
-    """(description, byte pattern) of the constant fills tried for a tensor."""
-    out = [("zeros", b"\0")]
-    for v in CONSTANT_CANDIDATES.get(dtype_name, ()):
-        pat = _fill_bytes(dtype_name, v)
-        if pat is not None and any(pat):
-            out.append((f"the constant {v:g} ({dtype_name})", pat))
-    for b in BYTE_FILLS:
-        out.append((f"the byte 0x{b:02X} repeated", bytes([b])))
-    return [(d, p) for d, p in out if nbytes % len(p) == 0]
 
 
 # ---------------------------------------------------------------- classification

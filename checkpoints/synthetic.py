@@ -18,6 +18,7 @@ import torch
 from moetrace import outputs
 from moetrace.checkpoints.quant_config import QUANT_METHODS, scale_suffix
 from moetrace.checkpoints.spec import FAMILIES, FORMATS, FUSED_NOT_MAPPED
+from moetrace.checkpoints.synthetic_config import synthetic_config
 from moetrace.errors import MoetraceError
 
 PROJ_NAMES = ("gate", "up", "down")  # proj ids 0, 1, 2
@@ -101,91 +102,12 @@ def _grid(n_rows: int, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.arange(n_rows).view(-1, 1), torch.arange(n_cols).view(1, -1)
 
 
-def _quant_config(fmt: str, quant_method: str, block: tuple[int, int], not_converted: list[str]) -> dict:
-    """quantization_config as the fp8 method or compressed-tensors writes it (checkpoints.quant_config)."""
-    if quant_method == "fp8":
-        quant = {"quant_method": "fp8", "fmt": "e4m3"}
-        if fmt == "fp8_block":
-            quant["weight_block_size"] = list(block)
-        return {**quant, "activation_scheme": "dynamic", "modules_to_not_convert": not_converted}
-    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
-               "strategy": {"fp8_block": "block", "fp8_channel": "channel", "fp8_tensor": "tensor"}[fmt]}
-    inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
-    if fmt == "fp8_block":
-        weights["block_structure"] = list(block)
-        inputs.update(strategy="group", group_size=block[1])
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs}},
-            "ignore": not_converted}
-
-
 def _scale_shape(fmt: str, quant_method: str, out_dim: int, in_dim: int, block: tuple[int, int]) -> tuple[int, ...]:
     if fmt == "fp8_block":
         return (-(-out_dim // block[0]), -(-in_dim // block[1]))
     if fmt == "fp8_channel":
         return (out_dim, 1)
     return (1,) if quant_method == "compressed-tensors" else ()  # per tensor
-
-
-def _config(
-    family: str, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int, dense: int,
-    quant: tuple[str, tuple[int, int]] | None, seed: int
-) -> dict:
-    text = {
-        "hidden_size": hidden,
-        "num_hidden_layers": num_layers,
-        "moe_intermediate_size": inter,
-        "intermediate_size": 4 * hidden,  # dense layers' MLP; not used by moetrace
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 16,
-        "torch_dtype": "bfloat16",
-    }
-    if family == "deepseek_v3":
-        arch = "DeepseekV3ForCausalLM"
-        text.update(
-            n_routed_experts=num_experts,
-            num_experts_per_tok=min(8, num_experts),
-            first_k_dense_replace=dense,
-            moe_layer_freq=1,
-            n_shared_experts=1,
-            num_nextn_predict_layers=1,
-        )
-    else:
-        arch = {
-            "qwen3_moe": "Qwen3MoeForCausalLM",
-            "qwen3_next": "Qwen3NextForCausalLM",
-            "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-        }[family]
-        text.update(
-            num_experts=num_experts,
-            num_experts_per_tok=min(8, num_experts),
-            decoder_sparse_step=1,
-            mlp_only_layers=list(range(dense)),
-            norm_topk_prob=True,
-        )
-        if family != "qwen3_moe":
-            text["shared_expert_intermediate_size"] = inter
-    prefix = "model.language_model" if family == "qwen3_5_moe" else "model"
-    if quant is not None:
-        gates = [f"{prefix}.layers.{L}.mlp.gate" for L in range(dense, num_layers)]
-        not_converted = ["lm_head", f"{prefix}.embed_tokens"] + gates
-        quant = _quant_config(fmt, quant[0], quant[1], not_converted)
-    if family == "qwen3_5_moe":
-        cfg = {
-            "architectures": [arch],
-            "model_type": "qwen3_5_moe",
-            "text_config": {**text, "model_type": "qwen3_5_moe_text"},
-            "vision_config": {"depth": 1, "hidden_size": 8, "out_hidden_size": hidden},
-        }
-    else:
-        cfg = {"architectures": [arch], "model_type": family, **text}
-    if quant:
-        cfg["quantization_config"] = quant  # top level, as Qwen3.5 does too
-    # Marks the checkpoint as synthetic, and puts the seed into config.json so
-    # that Checkpoint.identity (config bytes + headers) differs between seeds.
-    cfg["moetrace_synthetic"] = {"seed": seed, "values": "moetrace.checkpoints.synthetic.synthetic_values"}
-    return cfg
 
 
 def parse_block(text: str) -> int | tuple[int, int]:
@@ -301,7 +223,7 @@ def write_synthetic_checkpoint(
     _write_not_routed(w, family, num_layers, num_experts, draft)
     w.tensors["lm_head.weight"] = w.filler(16, hidden)
 
-    cfg = _config(family, fmt, num_layers, num_experts, hidden, intermediate, dense_layers,
+    cfg = synthetic_config(family, fmt, num_layers, num_experts, hidden, intermediate, dense_layers,
                   None if fmt == "bf16" else (quant_method, block), seed)
     with outputs.new_local_dir(str(out), "-o") as tmp:  # whole or nothing: never a folder with only config.json
         _write_files(Path(tmp), cfg, w.tensors, num_files, save_file)

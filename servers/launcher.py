@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 from moetrace import outputs, storage
 from moetrace.errors import MoetraceError
 from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec, index_fits
-from moetrace.schema import parse_rank_label
+from moetrace.schema import label_key, parse_rank_label
 from moetrace.servers.command import (
     FLAG_CHOICES,
     LEGACY_CUDA_GRAPH_FLAGS,
@@ -48,14 +48,10 @@ from moetrace.servers.command import (
 )
 from moetrace.servers.process_group import ServerGroup
 from moetrace.tracer.claim import read_refusals
-from moetrace.tracer.completeness import run_problems
+from moetrace.tracer.completeness import common_value, expected_labels, expected_rank_count, run_problems
 from moetrace.tracer.config import check_metrics_ports
 from moetrace.tracer.manifest import (
     RUN_MANIFEST_NAME,
-    common_value,
-    expected_labels,
-    expected_rank_count,
-    label_key,
     new_run_manifest,
     read_manifests,
     utc_now,

@@ -92,6 +92,27 @@ class CaptureBatch:
         return chunks + sum(int(t.numel() * t.element_size()) for _, t, _, _ in self.dumps) + 256 * self.n_rows
 
 
+def batch_rows(b: CaptureBatch, fps: list[Fingerprint], run_id: str, verifier,
+               chunk_digests: str) -> tuple[pa.RecordBatch, list]:
+    """What a capture batch becomes in the trace, from its fingerprints: its online
+    verdicts (``verifier``: tracer.online, None when off) and the chunk digests its rows
+    keep (``chunk_digests``: all, mismatch or none). Returns (the rows, the online verdict
+    of each)."""
+    digests = [f.digest for f in fps]
+    online = b.online
+    if online is None and verifier is not None:
+        online = verifier.batch_verdicts(b, digests)
+    if online is None:
+        online = [None] * b.n_rows
+    if chunk_digests == "all":
+        chunks = [f.chunk_digests for f in fps]
+    elif chunk_digests == "mismatch":
+        chunks = [f.chunk_digests if v != "match" else None for f, v in zip(fps, online)]
+    else:
+        chunks = [None] * b.n_rows
+    return record_batch(b, run_id, digests, chunks, online), online
+
+
 def record_batch(b: CaptureBatch, run_id: str, digests: list[bytes], chunks: list[bytes | None],
                  online: list[str | None]) -> pa.RecordBatch:
     """The batch's trace rows, one per captured expert."""

@@ -9,9 +9,8 @@ both apply it; the analysis also holds each rank's rows against its manifest
 
 from __future__ import annotations
 
-from moetrace.schema import rank_label
+from moetrace.schema import label_key, rank_label
 from moetrace.tracer.claim import refusal_problem
-from moetrace.tracer.manifest import expected_labels, label_key
 
 
 def count_of(m: dict, key: str) -> int:
@@ -184,3 +183,33 @@ def run_problems(manifests: dict[str, dict], expected_ranks: int | None, *, serv
 
 def id_list(ranks) -> str:
     return ", ".join(str(r) for r in ranks)
+
+
+# ---------------------------------------------------------------- the ranks a run must have
+
+
+def common_value(manifests: dict[str, dict], key: str):
+    """The value of `key` every manifest that has it agrees on, else None."""
+    vals = {m.get(key) for m in manifests.values()} - {None}
+    return next(iter(vals)) if len(vals) == 1 else None
+
+
+def expected_rank_count(manifests: dict[str, dict], expected_ranks: int | None) -> int | None:
+    """The TP rank count to expect: the server command's --tp, else the tp_size the
+    manifests agree on, else unknown."""
+    if expected_ranks is not None:
+        return expected_ranks
+    tp = common_value(manifests, "tp_size")
+    return tp if isinstance(tp, int) and tp > 0 else None
+
+
+def expected_labels(manifests: dict[str, dict], expected_ranks: int | None) -> list[str] | None:
+    """Every rank label the run must have: each TP rank of each pipeline stage of each
+    replica the manifests name (None when the TP size is unknown)."""
+    n = expected_rank_count(manifests, expected_ranks)
+    if n is None:
+        return None
+    pp = common_value(manifests, "pp_size")
+    pp = pp if isinstance(pp, int) and pp > 0 else 1
+    replicas = sorted({m.get("replica") for m in manifests.values()}, key=lambda r: -1 if r is None else r) or [None]
+    return [rank_label(t, p, pp, r) for r in replicas for p in range(pp) for t in range(n)]

@@ -24,7 +24,7 @@ from moetrace import __version__, storage
 from moetrace.declared import Count, check_fields, json_types
 from moetrace.errors import MoetraceError
 from moetrace.fingerprint import CHUNK_BYTES, FP_VERSION
-from moetrace.schema import MANIFEST_SCHEMA_VERSION, TRACE_SCHEMA_VERSION, parse_rank_label, rank_label
+from moetrace.schema import MANIFEST_SCHEMA_VERSION, TRACE_SCHEMA_VERSION, label_key, parse_rank_label, rank_label
 
 MANIFEST_NAME = "_manifest.json"
 LAYOUT_SCHEMA_VERSION = 1  # the facts record under "layouts" (hooks.layout_facts)
@@ -357,42 +357,6 @@ def parse_layout_key(key: str) -> tuple[str, str, int] | None:
     if len(parts) != 3 or not parts[2].lstrip("-").isdigit():
         return None
     return parts[0], parts[1], int(parts[2])
-
-
-def label_key(label: str) -> tuple[int, int, int]:
-    """A rank label's sort key: (replica, pp_rank, tp_rank), absent parts 0."""
-    parsed = parse_rank_label(str(label))
-    if parsed is None:
-        return (1 << 30, 0, 0)
-    replica, pp, tp = parsed
-    return (replica or 0, pp or 0, tp)
-
-
-def common_value(manifests: dict[str, dict], key: str):
-    """The value of `key` every manifest that has it agrees on, else None."""
-    vals = {m.get(key) for m in manifests.values()} - {None}
-    return next(iter(vals)) if len(vals) == 1 else None
-
-
-def expected_rank_count(manifests: dict[str, dict], expected_ranks: int | None) -> int | None:
-    """The TP rank count to expect: the server command's --tp, else the tp_size the
-    manifests agree on, else unknown."""
-    if expected_ranks is not None:
-        return expected_ranks
-    tp = common_value(manifests, "tp_size")
-    return tp if isinstance(tp, int) and tp > 0 else None
-
-
-def expected_labels(manifests: dict[str, dict], expected_ranks: int | None) -> list[str] | None:
-    """Every rank label the run must have: each TP rank of each pipeline stage of each
-    replica the manifests name (None when the TP size is unknown)."""
-    n = expected_rank_count(manifests, expected_ranks)
-    if n is None:
-        return None
-    pp = common_value(manifests, "pp_size")
-    pp = pp if isinstance(pp, int) and pp > 0 else 1
-    replicas = sorted({m.get("replica") for m in manifests.values()}, key=lambda r: -1 if r is None else r) or [None]
-    return [rank_label(t, p, pp, r) for r in replicas for p in range(pp) for t in range(n)]
 
 
 def read_manifests(out: str, run_id: str) -> dict[str, dict]:

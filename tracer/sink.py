@@ -36,11 +36,12 @@ from moetrace import storage
 from moetrace.errors import MoetraceError
 from moetrace.fingerprint import finalize
 from moetrace.schema import TRACE_SCHEMA, rank_label
-from moetrace.tracer.batch import CaptureBatch, record_batch
+from moetrace.tracer.batch import CaptureBatch, batch_rows
 from moetrace.tracer.claim import claim_rank_dir
 from moetrace.tracer.dumps import write_dump
 from moetrace.tracer.manifest import MANIFEST_NAME, new_rank_manifest, rank_dir_name, utc_now
 from moetrace.tracer.online import OnlineIndex
+from moetrace.tracer.rank_record import RankRecord
 
 log = logging.getLogger("moetrace.sink")
 
@@ -52,8 +53,9 @@ class _Flush:
         self.done = threading.Event()
 
 
-class TraceSink:
-    """Background Parquet writer of one rank. Thread-safe ``submit``/``close``."""
+class TraceSink(RankRecord):
+    """Background Parquet writer of one rank. Thread-safe ``submit``/``close``; what the
+    hooks count into its manifest goes through RankRecord."""
 
     def __init__(
         self,
@@ -89,8 +91,10 @@ class TraceSink:
             storage.make_dirs(self.fs, self.rank_dir)
         except Exception as err:
             raise MoetraceError(f"output {out}: cannot create {self.rank_dir} ({err})") from None
-        self._m = new_rank_manifest(run_id, tp_rank, tp_size, config or {}, checkpoint_id, tp_rank_found_by,
-                                    pp_rank=pp_rank, pp_size=pp_size, replica=replica, rank_found_by=rank_found_by)
+        RankRecord.__init__(self, new_rank_manifest(run_id, tp_rank, tp_size, config or {}, checkpoint_id,
+                                                    tp_rank_found_by, pp_rank=pp_rank, pp_size=pp_size,
+                                                    replica=replica, rank_found_by=rank_found_by),
+                            max_error_messages)
         claim_rank_dir(self.fs, self.run_dir, self.rank_dir, self.label, run_id, self._m["started_at"],
                        self._m["run_nonce"])
         self.rows_per_part = int(rows_per_part)
@@ -99,10 +103,8 @@ class TraceSink:
         self.verifier = verifier
         self.dump_max_count = int(dump_max_count)
         self.dump_max_bytes = int(dump_max_bytes)
-        self.max_error_messages = int(max_error_messages)
         self.control_file = control_file
         self._on_control = on_control
-        self._lock = threading.Lock()
         self._q: queue.Queue = queue.Queue(maxsize=int(queue_size))
         self._q_bytes = 0
         self._q_max_bytes = int(queue_max_bytes)
@@ -114,8 +116,6 @@ class TraceSink:
         self._closed = threading.Event()
         self._close_reason: str | None = None
         self._control_seen = False
-        self._changes = 0  # bumped on every manifest change; the writer persists them on its flush period
-        self._written_changes = -1
         try:
             self._write_manifest()  # fails early when the output is unwritable
         except Exception as err:
@@ -149,75 +149,6 @@ class TraceSink:
             self._q_bytes += nbytes
         return True
 
-    def drop(self, rows: int, reason: str) -> None:
-        with self._lock:
-            self._drop_locked(rows, reason)
-
-    def _drop_locked(self, rows: int, reason: str) -> None:
-        if rows <= 0:
-            return
-        self._changes += 1
-        self._m["rows_dropped"] += rows
-        self._m["drops"][reason] = self._m["drops"].get(reason, 0) + rows
-
-    def record_error(self, kind: str, message: str) -> int:
-        """Count an error ("hook" or "sink"); keep the first few messages. Returns the new count."""
-        key = "hook_errors" if kind == "hook" else "sink_errors"
-        with self._lock:
-            self._changes += 1
-            self._m[key] += 1
-            if len(self._m["errors"]) < self.max_error_messages:
-                self._m["errors"].append({"kind": kind, "at": utc_now(), "message": message[:2000]})
-            return self._m[key]
-
-    def note(self, message: str) -> None:
-        with self._lock:
-            self._changes += 1
-            if message not in self._m["notes"] and len(self._m["notes"]) < 50:
-                self._m["notes"].append(message)
-
-    def update(self, **fields) -> None:
-        """Set manifest fields (e.g. ranks from the first module, disabled)."""
-        with self._lock:
-            self._changes += 1
-            self._m.update(fields)
-
-    def set_model(self, name: str, **facts) -> None:
-        """The manifest's ``models`` entry of a model the hooks serve (target, draft)."""
-        with self._lock:
-            self._changes += 1
-            self._m["models"][name] = {"architecture": None, "found_by": None, "layers": None,
-                                       "steps_found_by": None, "slot_maps": {}, **facts}
-
-    def add_model_layers(self, name: str, layers) -> None:
-        with self._lock:
-            entry = self._m["models"].get(name)
-            if entry is not None:
-                self._changes += 1
-                entry["layers"] = sorted(set(entry.get("layers") or []) | {int(x) for x in layers})
-
-    def count_slot_map(self, model: str, how: str) -> None:
-        """One more capture whose slots were mapped by `how` (hooks.slots: SlotMap.found_by)."""
-        with self._lock:
-            self._changes += 1
-            entry = self._m["models"].setdefault(model, {"slot_maps": {}})
-            maps = entry.setdefault("slot_maps", {})
-            maps[how] = maps.get(how, 0) + 1
-
-    def set_layout(self, key: str, facts: dict) -> None:
-        """Record a layer's layout facts under manifest["layouts"][key]; a change after
-        the first record replaces them and marks them "changed"."""
-        with self._lock:
-            layouts = self._m["layouts"]
-            if key in layouts:
-                facts = {**facts, "changed": True}
-            self._changes += 1
-            layouts[key] = facts
-
-    def set_steps_seen(self, n: int) -> None:
-        with self._lock:
-            self._m["steps_seen"] = max(self._m["steps_seen"], n)
-
     def reserve_dump(self, nbytes: int) -> bool:
         """Capture side: may one more tensor of nbytes be dumped? (caps by count and bytes)"""
         with self._lock:
@@ -227,18 +158,6 @@ class TraceSink:
                 return False
             self._dump_reserved = [count + 1, used + nbytes]
             return True
-
-    def counters(self) -> dict:
-        """Error and drop counts (cheap: the metrics mirror them every second)."""
-        with self._lock:
-            return {"hook_errors": self._m["hook_errors"], "sink_errors": self._m["sink_errors"],
-                    "drops": dict(self._m["drops"])}
-
-    def manifest(self) -> dict:
-        import copy
-
-        with self._lock:
-            return copy.deepcopy(self._m)
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Write everything submitted so far as a part; True when done in time."""
@@ -314,25 +233,14 @@ class TraceSink:
     def _consume(self, b: CaptureBatch) -> None:
         try:
             fps = b.fps
-            if fps is None:
+            if fps is None:  # the hook left chunk digests: folded here, once their copy is done
                 if b.ready is not None:
                     b.ready.synchronize()
                 fps = finalize(b.chunks, b.nbytes)
                 if b.on_folded is not None:  # the resident cache learns these weights' fingerprints
                     b.on_folded(fps)
-            digests = [f.digest for f in fps]
-            online = b.online
-            if online is None and self.verifier is not None:
-                online = self.verifier.batch_verdicts(b, digests)
-            if online is None:
-                online = [None] * b.n_rows
-            if self.chunk_digests == "all":
-                chunks = [f.chunk_digests for f in fps]
-            elif self.chunk_digests == "mismatch":
-                chunks = [f.chunk_digests if v != "match" else None for f, v in zip(fps, online)]
-            else:
-                chunks = [None] * b.n_rows
-            self._batches.append(record_batch(b, self._m["run_id"], digests, chunks, online))
+            rows, online = batch_rows(b, fps, self._m["run_id"], self.verifier, self.chunk_digests)
+            self._batches.append(rows)
             self._buffered_rows += b.n_rows
             with self._lock:
                 for v in online:
@@ -422,16 +330,5 @@ class TraceSink:
             self.record_error("sink", f"manifest: {type(err).__name__}: {err}")
 
     def _write_manifest(self) -> None:
-        with self._lock:
-            self._m["updated_at"] = utc_now()
-            self._written_changes = self._changes
-            snap = dict(self._m)
-            snap["parts"] = list(self._m["parts"])
-            snap["drops"] = dict(self._m["drops"])
-            snap["errors"] = list(self._m["errors"])
-            snap["online"] = dict(self._m["online"])
-            snap["dumps"] = {**self._m["dumps"], "files": list(self._m["dumps"]["files"])}
-            snap["notes"] = list(self._m["notes"])
-            snap["models"] = {k: {**v, "slot_maps": dict(v.get("slot_maps") or {})}
-                              for k, v in self._m["models"].items()}
+        snap = self._snapshot()
         storage.write_json(self.fs, storage.join(self.rank_dir, MANIFEST_NAME), snap)
