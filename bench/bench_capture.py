@@ -11,7 +11,7 @@ run, rounds interleaved (each candidate once per round), medians of --repeats ro
                for (chunk digests on the tensors' device, small D2H copy);
 - end_to_end:  hook + the writer thread's tensor digests and Parquet write.
 
-Target (issue 21): the hook on CPU <= 1.5x the copy. Prints the CPU model.
+Target: the hook on CPU <= 1.5x the copy. Prints the CPU model.
 
     python bench/bench_capture.py                 # full layer on CPU
     python bench/bench_capture.py --quick         # 32 experts, 2 repeats

@@ -3,7 +3,7 @@ in one call) and sha256 on CPU, and against a device-to-device copy on CUDA, on 
 buffer in the same run. Prints the CPU model and its SIMD flags.
 
 Every round runs each candidate once in turn; ratios are medians over rounds
-(the machines are shared, see docs/benchmarks.md). Target (issue 21): the fingerprint
+(the machines are shared, see docs/benchmarks.md). Target: the fingerprint
 on one thread >= 0.8x whole-buffer xxh3_128.
 
     python bench/bench_fingerprint.py                 # 256 MiB, 5 rounds

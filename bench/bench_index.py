@@ -13,7 +13,7 @@ through the index cache, then the same call again: the cache hit.
     python bench/bench_index.py --device cuda # on the GPU (pinned buffers, the kernel); checks
                                               # its rows equal the CPU index's
 
-Target (issue 21): the index >= 0.67x a warm read of the same files. Prints the CPU model.
+Target: the index >= 0.67x a warm read of the same files. Prints the CPU model.
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def test_diff_runs(env):
 
 
 def test_diff_refuses_runs_of_different_tp(env, tmp_path):
-    """Issue 24, 18: a TP1 run diffed against a TP2 run holds other shards on rank 0: refused
+    """A TP1 run diffed against a TP2 run holds other shards on rank 0: refused
     by name (exit 2) rather than listed as changed digests."""
     tp1 = CheckpointModel(env["model"].path, tp_size=1)
     write_scenario(tp1, str(tmp_path), "tp1", STEPS, None)

@@ -266,7 +266,7 @@ def test_prebuilt_index_must_be_for_the_traced_layout(oracle, make_ckpt, tmp_pat
     res = runner.invoke(main, ["analyze", trace, "--index", plain])
     assert res.exit_code == 2 and "built for gate rows first, but the trace records up rows first" in res.output
     assert "--layout-from TRACE" in res.output and f"its checkpoint {gone} is not readable here" in res.output
-    # Issue 24, 19: an index whose checkpoint is readable: audit builds the matching one itself and says so.
+    # An index whose checkpoint is readable: audit builds the matching one itself and says so.
     readable = str(tmp_path / "readable.parquet")
     assert runner.invoke(main, ["index", str(path), "--tp", "1", "-o", readable]).exit_code == 0
     res = runner.invoke(main, ["audit", trace, "--index", readable])

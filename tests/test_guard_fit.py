@@ -1,4 +1,4 @@
-"""Issue 24 items 11-13: a guard whose index does not fit the server (another TP size,
+"""A guard whose index does not fit the server (another TP size,
 checkpoint or w13 order, layers it lacks, a bad file among the update indexes) says
 `unverified` once, never `ok`, never kills a clean server with fail-closed; hook-spec
 and launch refuse what they can tell does not fit."""

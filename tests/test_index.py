@@ -247,7 +247,7 @@ def test_device_paths_give_the_cpu_index(ckpt, monkeypatch):
 
 
 def test_cache_hit_is_proved_on_data_not_on_names_sizes_and_mtimes(ckpt, tmp_path, monkeypatch):
-    """Issue 24 item 8: a checkpoint with ckpt's shapes, file names, sizes and mtimes but
+    """A checkpoint with ckpt's shapes, file names, sizes and mtimes but
     other values shares its cache key; its index must be its own, never ckpt's."""
     from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
 

@@ -1,4 +1,4 @@
-"""Issue 24 items 9, 13, 17: an index is checked on every read; a corrupt one is exit 2
+"""An index is checked on every read; a corrupt one is exit 2
 naming it, never "unknown" divergences (nor a guard that kills a clean server)."""
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def test_duckdb_counts_divergences_per_run_with_its_own_s3_reader(s3, traces):
 
 
 def test_a_glob_of_runs_on_s3(traces):
-    """Issue 24 item 16: a remote `*` matches run folders, never the files inside rank
+    """A remote `*` matches run folders, never the files inside rank
     folders (`_claim.json is a file`)."""
     r = CliRunner().invoke(main, ["analyze", f"{OUT}/*", "--index", str(traces["index"])])
     assert r.exit_code == 0 and "is a file" not in r.output, r.output
@@ -183,7 +183,7 @@ def _one_line(r, *words):
 
 
 def test_s3_faults_are_one_line_naming_the_endpoint_and_the_cause(no_aws, small_index):
-    """Issue 24 items 15-16: a closed port, an endpoint that accepts and never answers, a
+    """A closed port, an endpoint that accepts and never answers, a
     403: exit 2, one line naming the endpoint and the cause, within the timeout (2 s
     here: a hang would stall this test, never pass it)."""
     import socket

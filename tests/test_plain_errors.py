@@ -1,4 +1,4 @@
-"""Issue 24 items 15 and 17: bad input is one plain line and exit 2, checked before any
+"""Bad input is one plain line and exit 2, checked before any
 work (never "a moetrace bug", never an endless wait, never a half-written output)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Slot maps, draft models, process identity (issue 12).
+"""Slot maps, draft models, process identity.
 
 One session-wide run of tests/support/slots_server.py: four gloo processes whose
 FusedMoE-shaped modules are set up by SGLang 0.5.23's own loader and expert-location

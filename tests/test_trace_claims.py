@@ -1,4 +1,4 @@
-"""The completeness rule holds every claim of a trace against its rows (issue 24, 1-7):
+"""The completeness rule holds every claim of a trace against its rows:
 the demo's real traces, tampered as a hostile sweep did with the side files kept
 consistent (parts, rows_written, rows_captured and online counts rewritten to match),
 must never pass; the untampered copy (the negative control) must.
@@ -219,7 +219,7 @@ def test_a_vanished_step_is_refused(demo, tmp_path):
     assert reasons(inc, "rank 1 manifest counts 200 captures but its rows hold 1"), inc
 
 
-# ---------------------------------------------------------------- guarded traces (issue 23, item 2)
+# ---------------------------------------------------------------- guarded traces
 
 
 def guarded(src, dst):
@@ -304,7 +304,7 @@ def test_row_keys_do_not_collide():
 
 @pytest.mark.parametrize("race", [False, True])
 def test_a_trace_the_guard_wrote_is_audited_on_its_verdicts(make_ckpt, tmp_path, race):
-    """Issue 23, 2, with the real guard (in this process, guard_rows: mismatch): two staged
+    """The guarded trace with the real guard (in this process, guard_rows: mismatch): two staged
     loads of a clean server pass with every tensor verified by the guard and no row; with
     the race the guard's E+2 rows are the divergences and the rest count as verified."""
     from support.guarded import StagedContext, shards

@@ -45,7 +45,7 @@ QWEN3_MOE = "sglang/srt/models/qwen3_moe.py"
 QWEN3_NEXT = "sglang/srt/models/qwen3_next.py"
 DEEPSEEK_LOADER = "sglang/srt/models/deepseek_common/deepseek_weight_loader.py"
 
-# The loader paths issue 10 names; every supported version has them.
+# The loader paths moetrace follows; every supported version has them.
 LOADER = ["weight_loader", "_weight_loader_impl", "_load_w13", "_load_w2", "_load_per_tensor_weight_scale",
           "_load_model_weight_or_group_weight_scale", "_load_per_channel_weight_scale",
           "_map_global_expert_id_to_local_expert_id", "make_expert_params_mapping"]
