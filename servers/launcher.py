@@ -50,12 +50,7 @@ from moetrace.servers.process_group import ServerGroup
 from moetrace.tracer.claim import read_refusals
 from moetrace.tracer.completeness import common_value, expected_labels, expected_rank_count, run_problems
 from moetrace.tracer.config import check_metrics_ports
-from moetrace.tracer.manifest import (
-    RUN_MANIFEST_NAME,
-    new_run_manifest,
-    read_manifests,
-    utc_now,
-)
+from moetrace.tracer.manifest import RUN_MANIFEST_NAME, new_run_manifest, read_manifests, utc_now
 
 
 def rank_summary(manifests: dict[str, dict], expected_ranks: int | None) -> list[dict]:

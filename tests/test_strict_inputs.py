@@ -20,12 +20,7 @@ from moetrace.analysis.report import analyze
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.cli import main
 from moetrace.errors import MoetraceError
-from moetrace.tracer.manifest import (
-    RANK_MANIFEST_FIELDS,
-    RUN_MANIFEST_FIELDS,
-    new_rank_manifest,
-    new_run_manifest,
-)
+from moetrace.tracer.manifest import RANK_MANIFEST_FIELDS, RUN_MANIFEST_FIELDS, new_rank_manifest, new_run_manifest
 
 
 @pytest.fixture(scope="module")
