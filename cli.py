@@ -12,21 +12,25 @@ import click
 from moetrace import __version__
 from moetrace.errors import ExitCode, MoetraceError
 
-# name -> "module:command" under commands/, in the order of the data flow: checkpoints,
-# capture, analysis, the emulator, the proofs. A command's module is imported when it runs
-# (or when help lists it), so `moetrace hook-spec` loads hook-spec's options only.
+# name -> ("module:command" under commands/, its summary: the first line of its help), in the
+# order of the data flow. A command's module is imported when it runs or shows its help, so
+# `moetrace hook-spec` loads hook-spec's options only and `moetrace --help` lists the commands
+# from here (tests/test_commands.py holds each summary to its command's help).
 COMMANDS = {
-    "make-checkpoint": "make_checkpoint:make_checkpoint_cmd",
-    "index": "index:index_cmd",
-    "hook-spec": "hook_spec:hook_spec_cmd",
-    "launch": "launch:launch_cmd",
-    "analyze": "analyze:analyze_cmd",
-    "diff": "diff:diff_cmd",
-    "audit": "audit:audit_cmd",
-    "demo": "demo:demo_cmd",
-    "serve": "serve:serve_cmd",
-    "selftest": "selftest:selftest_cmd",
-    "conform": "conform:conform_cmd",
+    "make-checkpoint": ("make_checkpoint:make_checkpoint_cmd",
+                        "Write a small synthetic MoE checkpoint with real names, dtypes and layout."),
+    "index": ("index:index_cmd", "Fingerprint the TP shard of every expert a rank may hold, per the checkpoint."),
+    "hook-spec": ("hook_spec:hook_spec_cmd",
+                  "Print the --forward-hooks JSON that turns capture on in an SGLang server."),
+    "launch": ("launch:launch_cmd", "Run an SGLang server with capture on; finalize the trace when it exits."),
+    "analyze": ("analyze:analyze_cmd", "Give every captured tensor a verdict and find the first divergence."),
+    "diff": ("diff:diff_cmd", "Compare the same (step, layer, rank, source, expert, tensor) across two runs."),
+    "audit": ("audit:audit_cmd", "Like analyze, for CI: the exit code is the verdict."),
+    "demo": ("demo:demo_cmd", "Find the FP8 staging race and validate its fix, end to end, on this machine."),
+    "serve": ("serve:serve_cmd", "Serve an emulated TP KT-staging server (OpenAI /v1/completions) on loopback."),
+    "selftest": ("selftest:selftest_cmd", "Prove on this machine that moetrace would catch the FP8 staging race."),
+    "conform": ("conform:conform_cmd",
+                "Run the installed fork's own staging code on CPU and audit what each rank holds."),
 }
 
 
@@ -49,7 +53,7 @@ class _Group(click.Group):
 
     def _load(self, name: str) -> click.Command | None:
         if name not in self._commands and name in COMMANDS:
-            module, attr = COMMANDS[name].split(":")
+            module, attr = COMMANDS[name][0].split(":")
             self._commands[name] = getattr(importlib.import_module(f"moetrace.commands.{module}"), attr)
         return self._commands.get(name)
 
@@ -58,6 +62,15 @@ class _Group(click.Group):
 
     def list_commands(self, ctx) -> list[str]:
         return sorted(COMMANDS)
+
+    def format_commands(self, ctx, formatter) -> None:
+        """The command list from the summaries above: listing imports no command."""
+        limit = formatter.width - 6 - max(len(name) for name in COMMANDS)
+        # click's own shortening, of a stand-in holding the summary
+        rows = [(name, click.Command(name, help=COMMANDS[name][1]).get_short_help_str(limit))
+                for name in sorted(COMMANDS)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def invoke(self, ctx):
         try:

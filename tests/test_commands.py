@@ -41,6 +41,18 @@ def test_every_command_file_is_registered_with_examples():
         assert all(line in help_text for ex in cmd.examples for line in ex.splitlines()), name
 
 
+def test_the_command_list_is_each_command_s_own_summary():
+    """`moetrace --help` lists the commands from cli.COMMANDS without importing them: each
+    summary there is the first paragraph of its command's help, as click would show it."""
+    from moetrace.cli import COMMANDS
+
+    for name, cmd in main.commands.items():
+        first = " ".join(cmd.help.split("\n\n")[0].split())
+        assert COMMANDS[name][1] == first, name
+    listed = CliRunner().invoke(main, ["--help"]).output
+    assert all(name in listed for name in COMMANDS) and "Commands:" in listed
+
+
 def test_every_example_names_real_commands_and_options():
     wrong = []
     for name, cmd in main.commands.items():
@@ -89,3 +101,6 @@ def test_a_command_loads_its_own_module_only():
             "print(__import__('json').dumps(sorted(m for m in sys.modules if m.startswith('moetrace.commands.'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out.strip().splitlines()[-1]) == ["moetrace.commands.hook_spec", "moetrace.commands.options"]
+    listing = code.replace("['hook-spec', '--help']", "['--help']")
+    out = subprocess.run([sys.executable, "-c", listing], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == []  # the list of commands loads none of them
