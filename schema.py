@@ -43,7 +43,7 @@ from moetrace.errors import MoetraceError
 INDEX_SCHEMA_VERSION = 3  # 3: fingerprint v3 (XXH3-128 chunk digests)
 TRACE_SCHEMA_VERSION = 3
 MANIFEST_SCHEMA_VERSION = 4  # 4: the ways things were found are *_found_by, never *source (docs/capture.md)
-REPORT_SCHEMA, REPORT_SCHEMA_VERSION = "moetrace.analysis", 2
+REPORT_SCHEMA, REPORT_SCHEMA_VERSION = "moetrace.analysis", 3  # 3: summaries' shared-expert stale detail
 DIFF_SCHEMA, DIFF_SCHEMA_VERSION = "moetrace.diff", 2
 CONFORM_SCHEMA, CONFORM_SCHEMA_VERSION = "moetrace.conform", 2
 

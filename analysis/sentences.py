@@ -181,14 +181,19 @@ def sentence(doc: dict, with_prefix: bool = True, no_chunks: bool = False) -> st
     return f"{pre}rank {doc.get('rank', doc.get('tp_rank'))}, {who}: {what(doc, no_chunks)}"
 
 
+# A STALE summary detail at or below this is SHARED_STALE - the expert found, for a fused
+# shared expert (where E+k means nothing); above it, k of E+k (negative for E-k).
+SHARED_STALE = -(1 << 30)
+
+
 def summary_fragment(verdict: int, detail: int, count: int, total: int, tensor: str, tensor_names: list[str],
                      layer_name=None, shared_from: int | None = None) -> str:
-    """One "6/8 w2_weight_scale_inv are E+2" piece. STALE details are E+k, or -(1 + the
-    expert found) when a fused shared expert is involved (E+k means nothing there);
+    """One "6/8 w2_weight_scale_inv are E+2" piece. STALE details are E+k, or SHARED_STALE
+    minus the expert found when a fused shared expert is involved (E+k means nothing there);
     WRONG_LAYER details go through `layer_name` (a draft's layers are not the target's)."""
     frac = f"{count}/{total}" + (f" {tensor}" if tensor else "")
-    if verdict == STALE and detail < 0:
-        found = -detail - 1
+    if verdict == STALE and detail <= SHARED_STALE:
+        found = SHARED_STALE - detail
         shared = shared_from is not None and found >= shared_from
         return f"{frac} hold " + ("the shared expert" if shared else f"expert {found}")
     if verdict == STALE:

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 
 from moetrace.analysis.coverage import Analysis
-from moetrace.analysis.sentences import load_label, summary_fragment
+from moetrace.analysis.sentences import SHARED_STALE, load_label, summary_fragment
 from moetrace.analysis.verdicts import MISSING, STALE, VERDICTS, WRONG_LAYER, WRONG_RANK, WRONG_TENSOR
 from moetrace.schema import SOURCES, copy_position, label_key, parse_rank_label
 
@@ -23,7 +23,7 @@ def load_summaries(a: Analysis, drows: np.ndarray, multi_source: bool, multi_run
         shared = idx.num_experts > 0 and ((c["expert"][drows] >= idx.num_experts) | (idx.expert[f] >= idx.num_experts))
         detail = np.select(
             [(vv == STALE) & shared, vv == STALE, vv == WRONG_RANK, vv == WRONG_LAYER, vv == WRONG_TENSOR],
-            [-1 - idx.expert[f], v.k[drows], idx.rank[f], idx.lkey[f], idx.tensor[f]], 0,
+            [SHARED_STALE - idx.expert[f].astype(np.int64), v.k[drows], idx.rank[f], idx.lkey[f], idx.tensor[f]], 0,
         )
         parts.append(pd.DataFrame({"load": a.load[drows], "tensor": c["tensor"][drows].astype(np.int64),
                                    "verdict": vv, "detail": detail.astype(np.int64)}))

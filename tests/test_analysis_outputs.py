@@ -54,7 +54,7 @@ def test_json_is_stable_and_documented(env):
     r = cli("analyze", f"{env['out']}/unfenced", "--index", env["index"], "--json")
     assert r.exit_code == 0
     doc = json.loads(r.output)
-    assert doc["schema"] == "moetrace.analysis" and doc["version"] == 2
+    assert doc["schema"] == "moetrace.analysis" and doc["version"] == 3
     assert list(doc) == ["schema", "version", "moetrace_version", "created_at", "inputs", "status", "audit_exit_code",
                          "totals", "incomplete", "warnings", "first_divergence", "summaries", "runs", "skipped_parts",
                          "loads", "missing_loads", "divergent_rows", "divergent_rows_truncated"]

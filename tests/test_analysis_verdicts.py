@@ -275,3 +275,14 @@ def test_trace_written_by_the_real_tracer(model, index, tmp_path):
     assert [s["sentence"] for s in doc["summaries"]] == ["rank 1, layer 0, step 1: 6/8 w2_weight_scale_inv are E+2"]
     assert doc["totals"]["sentence"] == "250/256 tensors match across 2 steps, 2 ranks; 6 stale"
     assert doc["incomplete"] == [] and rep.exit_code == 1
+
+
+def test_two_swapped_experts_summarise_as_e_plus_and_minus_one(model, index, tmp_path):
+    """A swap holds E+1 in one slot and E-1 in the other: the summary says so (the negative
+    k of E-1 is not the encoding of a shared expert, which report version 2 mistook it for)."""
+    swap = {(0, 1, 0): {(2, "w2_weight"): ("expert", 3), (3, "w2_weight"): ("expert", 2)}}
+    write_scenario(model, str(tmp_path), "swap", [0], swap)
+    rep = analyze([str(tmp_path / "swap")], index=index)
+    assert rep.exit_code == 1
+    assert [s["sentence"] for s in rep.doc["summaries"]] == ["rank 1, layer 0, step 0: 1/8 w2_weight are E+1, 1/8 are E-1"]
+    assert sorted(r["k"] for r in rep.doc["divergent_rows"]) == [-1, 1]
