@@ -22,7 +22,9 @@ Glossary (one word per concept, in code, docs and schemas alike):
 - trace: the digests captured from a live server, one Parquet folder per rank.
 - capture: one event of a rank fingerprinting a layer's tensors (``capture_seq``).
 - source: where a capture came from: ``staged`` (a KT full-layer load through host
-  slots) or ``resident`` (a FusedMoE forward).
+  slots), ``loaded`` (a layer's tensors as the checkpoint loader left them, before the
+  kernel's post-load processing: vLLM's load boundary) or ``resident`` (a FusedMoE
+  forward).
 - step: a forward-pass number, equal on every rank for the same pass.
 - transport_position: an expert's position in a staged load's copy sequence (-1 when
   it was not staged through the host slots); copy_position: a tensor's position in its
@@ -41,7 +43,8 @@ import pyarrow as pa
 from moetrace.errors import MoetraceError
 
 INDEX_SCHEMA_VERSION = 3  # 3: fingerprint v3 (XXH3-128 chunk digests)
-TRACE_SCHEMA_VERSION = 3
+TRACE_SCHEMA_VERSION = 4  # 4: source "loaded" (the load boundary)
+READABLE_TRACE_SCHEMA_VERSIONS = (3, 4)  # 3: the same columns, sources staged and resident only
 MANIFEST_SCHEMA_VERSION = 4  # 4: the ways things were found are *_found_by, never *source (docs/capture.md)
 REPORT_SCHEMA, REPORT_SCHEMA_VERSION = "moetrace.analysis", 3  # 3: summaries' shared-expert stale detail
 DIFF_SCHEMA, DIFF_SCHEMA_VERSION = "moetrace.diff", 2
@@ -79,8 +82,9 @@ def dtype_name(dtype) -> str:
 
 # ---------------------------------------------------------------- sources and ranks
 
-# Code order matters to the analysis: a staged load precedes the layer's resident use.
-SOURCES: tuple[str, ...] = ("staged", "resident")
+# Code order matters to the analysis: a staged load and a load-boundary capture precede
+# the layer's resident use. Codes are made when a trace is read (the Parquet holds names).
+SOURCES: tuple[str, ...] = ("staged", "loaded", "resident")
 
 
 MODELS: tuple[str, ...] = ("target", "draft")

@@ -59,6 +59,28 @@ def layout_slots(facts: dict) -> int | None:
     return None if physical is None else physical - int(facts.get("unfilled_slots") or 0)
 
 
+# Why a capture point a server's hooks provide (a model's "capture_points") holds no row.
+CAPTURE_POINT_HINTS = {
+    "loaded": "the model loader never reached moetrace's (another --load-format?)",
+    "resident": "no forward pass reached the hooks: torch.compile on (start vLLM with --enforce-eager), or no traffic",
+}
+
+
+def capture_point_problems(models: dict, held: set, kept, vouched: bool) -> list[str]:
+    """Every capture point a model's hooks provide (hooks.vllm.session: the load boundary and
+    the forward) that the sampling keeps must hold rows: a load-boundary capture alone must
+    not pass for a check of the weights the kernel computes with."""
+    if vouched:  # a guard's mismatch-only rows: its own coverage speaks for the rest
+        return []
+    out = []
+    for model, entry in sorted(models.items()):
+        points = entry.get("capture_points") if isinstance(entry, dict) else None
+        for source in points if isinstance(points, list) else ():
+            if source not in held and (kept is None or source in kept):
+                out.append(f"captured no {source} rows of the {model} ({CAPTURE_POINT_HINTS.get(source, 'never ran')})")
+    return out
+
+
 def _where(key: str) -> str:
     source, model, layer = key.split(":")
     return f"{'' if model == 'target' else model + ' '}layer {layer} ({source})"
@@ -123,6 +145,7 @@ def rows_problems(m: dict, f: RowFacts) -> list[str]:
         extra = sorted(held - set(kept)) if kept is not None else []
         if extra:
             problems.append(f"holds rows of {what}(s) {id_list(_short(extra))} that its sampling (config) excluded")
+    problems += capture_point_problems(models, f.sources, s.sources, vouched)
     if f.resident_steps and not vouched and counted and whole:
         origin = min(f.steps)
         want = {origin + k for k in range(count_of(m, "steps_seen")) if s.want("resident", k, -1 if s.layers is None

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from moetrace.analysis.discovery import RunInfo, discover, load_runs
 from moetrace.errors import MoetraceError
-from moetrace.schema import MODELS, SOURCES, TENSOR_NAMES, TRACE_SCHEMA_VERSION, label_key
+from moetrace.schema import MODELS, READABLE_TRACE_SCHEMA_VERSIONS, SOURCES, TENSOR_NAMES, TRACE_SCHEMA_VERSION, label_key
 
 TRACE_COLUMNS = [
     "schema_version", "run_id", "model", "tp_size", "tp_rank", "ep_size", "moe_tp_rank", "step", "source",
@@ -154,15 +154,16 @@ def _check_columns(pf: pq.ParquetFile, path: str) -> None:
     if missing:
         if "schema_version" in names:
             vs = sorted(set(pf.read(columns=["schema_version"]).column(0).to_pylist()))
-            if vs and vs != [TRACE_SCHEMA_VERSION]:
+            if vs and not set(vs) <= set(READABLE_TRACE_SCHEMA_VERSIONS):
                 raise _SchemaVersion(path, vs)
         raise MoetraceError(f"trace part {path} lacks column(s) {', '.join(missing)}: not a moetrace trace "
                             f"v{TRACE_SCHEMA_VERSION}")
 
 
 def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.ndarray], start: int,
-               vocabs: tuple[Vocab, Vocab, Vocab, Vocab], rank_code: int) -> tuple[set[int], set[int]]:
-    """Read one part into out[...][start:start+n]; returns its (tp_size, ep_size) values."""
+               vocabs: tuple[Vocab, Vocab, Vocab, Vocab], rank_code: int) -> tuple[set[int], set[int], set, int]:
+    """Read one part into out[...][start:start+n]; returns its (tp_size, ep_size) values,
+    held shapes and schema version."""
     run_v, tensor_v, dtype_v, model_v = vocabs
     t = pf.read(columns=TRACE_COLUMNS, use_threads=False)
     n = t.num_rows
@@ -172,13 +173,15 @@ def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.nd
     if n == 0:
         return set(), set(), set()
     ver = t.column("schema_version").to_numpy()
-    if ver.min() != TRACE_SCHEMA_VERSION or ver.max() != TRACE_SCHEMA_VERSION:
+    if ver.min() != ver.max() or int(ver.min()) not in READABLE_TRACE_SCHEMA_VERSIONS:
         raise _SchemaVersion(path, sorted(set(np.unique(ver).tolist())))
     src = Vocab(SOURCES)
     out["source"][sl] = src.codes_of(t.column("source"), np.int8)
-    if len(src) > len(SOURCES):
-        raise MoetraceError(f"trace part {path} has source value(s) {src.names[len(SOURCES):]}; expected 'resident' or "
-                            f"'staged'")
+    known = SOURCES if int(ver.min()) >= 4 else ("staged", "resident")  # "loaded" came with version 4
+    if len(src) > len(SOURCES) or (len(known) < len(SOURCES) and not set(_present(t.column("source"))) <= set(known)):
+        bad = sorted(set(_present(t.column("source"))) - set(known))
+        raise MoetraceError(f"trace part {path} (schema v{int(ver.min())}) has source value(s) {bad}; "
+                            f"expected {' or '.join(repr(s) for s in known)}")
     out["hi"][sl], out["lo"][sl] = digest_columns(t.column("digest"))
     out["run"][sl] = run_v.codes_of(t.column("run_id"), np.int16)
     out["model"][sl] = model_v.codes_of(t.column("model"), np.int8)
@@ -194,7 +197,11 @@ def _fill_part(pf: pq.ParquetFile, path: str, part_id: int, out: dict[str, np.nd
     out["part"][sl] = part_id
     out["row"][sl] = np.arange(n, dtype=np.int32)
     sizes = tuple({int(x) for x in t.column(c).unique().to_pylist()} for c in ("tp_size", "ep_size"))
-    return (*sizes, held_shapes(t.column("shape"), out["model"][sl], out["tensor"][sl]))
+    return (*sizes, held_shapes(t.column("shape"), out["model"][sl], out["tensor"][sl]), int(ver.min()))
+
+
+def _present(col: pa.ChunkedArray) -> list:
+    return col.unique().to_pylist()
 
 
 def held_shapes(col: pa.ChunkedArray, model: np.ndarray, tensor: np.ndarray) -> set[tuple[int, int, tuple]]:
@@ -253,14 +260,17 @@ def _parts_of(runs: list[RunInfo], fs_of: dict) -> tuple[list[tuple[pafs.FileSys
 
 
 def _check_versions(versions: dict[int, str]) -> None:
-    """versions: schema version -> a part that has it. One line when it is not ours."""
-    if not set(versions) - {TRACE_SCHEMA_VERSION}:
+    """versions: schema version -> a part that has it. One line when they are not one
+    version this moetrace reads (a trace is written by one moetrace: one version)."""
+    if len(versions) <= 1 and set(versions) <= set(READABLE_TRACE_SCHEMA_VERSIONS):
         return
     if len(versions) > 1:
         desc = ", ".join(f"v{v} ({p})" for v, p in sorted(versions.items()))
         raise MoetraceError(f"trace mixes schema versions: {desc}; analyze each version separately")
     (v, p), = versions.items()
-    raise MoetraceError(f"trace part {p} has schema_version {v}; this moetrace reads version {TRACE_SCHEMA_VERSION}")
+    readable = " and ".join(str(x) for x in READABLE_TRACE_SCHEMA_VERSIONS)
+    raise MoetraceError(f"trace part {p} has schema_version {v}; this moetrace reads versions {readable} "
+                        f"(it writes {TRACE_SCHEMA_VERSION})")
 
 
 def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
@@ -298,7 +308,7 @@ def read_trace(paths: Sequence[str], threads: int | None = None) -> TraceData:
             failed.note(i, res)
             continue
         if counts[i]:
-            failed.versions.setdefault(TRACE_SCHEMA_VERSION, parts[i][1])
+            failed.versions.setdefault(res[3], parts[i][1])
         run = part_run[i]
         for shape in res[2]:
             shapes.setdefault(shape, parts[i][1])

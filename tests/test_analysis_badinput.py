@@ -77,8 +77,9 @@ def test_trace_of_another_fingerprint_version(run, index):
 
 
 def test_mixed_schema_versions(run, index, model):
+    """A version 3 part (readable alone) among version 4 parts: one trace is one version."""
     t = pq.read_table(run / "rank=1" / "part-00001.parquet")
-    t = t.set_column(0, "schema_version", pa.array([4] * t.num_rows, pa.int16()))
+    t = t.set_column(0, "schema_version", pa.array([3] * t.num_rows, pa.int16()))
     pq.write_table(t, run / "rank=1" / "part-00001.parquet")
     line = one_line_error(cli("analyze", run, "--index", index), "mixes schema versions", "v3", "v4")
     assert "part-00001.parquet" in line
@@ -88,8 +89,22 @@ def test_newer_schema_version_only(run, index):
     for rk in ("rank=0", "rank=1"):
         for p in (run / rk).glob("part-*.parquet"):
             t = pq.read_table(p)
-            pq.write_table(t.set_column(0, "schema_version", pa.array([4] * t.num_rows, pa.int16())), p)
-    one_line_error(cli("analyze", run, "--index", index), "schema_version 4", "reads version 3")
+            pq.write_table(t.set_column(0, "schema_version", pa.array([5] * t.num_rows, pa.int16())), p)
+    one_line_error(cli("analyze", run, "--index", index), "schema_version 5", "reads versions 3 and 4")
+
+
+def test_version_3_trace_is_read_and_cannot_hold_loaded_rows(run, index):
+    """Version 3 (staged and resident only) is still read; a "loaded" row in it is not a v3 trace."""
+    parts = [p for rk in ("rank=0", "rank=1") for p in (run / rk).glob("part-*.parquet")]
+    for p in parts:
+        t = pq.read_table(p)
+        pq.write_table(t.set_column(0, "schema_version", pa.array([3] * t.num_rows, pa.int16())), p)
+    assert cli("analyze", run, "--index", index).exit_code == 0
+    t = pq.read_table(parts[0])
+    src = t.column("source").to_pylist()
+    t = t.set_column(t.schema.get_field_index("source"), "source", pa.array(["loaded"] + src[1:], pa.string()))
+    pq.write_table(t, parts[0])
+    one_line_error(cli("analyze", run, "--index", index), "schema v3", "'loaded'", "expected 'staged' or 'resident'")
 
 
 def test_index_for_another_tp_size(run, model, tmp_path):
