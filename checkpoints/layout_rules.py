@@ -8,7 +8,8 @@ for each through SGLang's own loader and hook manager). The rules follow SGLang
 method's load_up_proj_weight_first flips it again) and, for compressed-tensors block
 FP8 under trtllm, by a swap after loading. Captures of a KT staged context are taken
 before process_weights_after_loading, so post-load transforms apply to resident
-captures only.
+captures only. vLLM's layers carry their own facts (hooks.vllm.kernel_layout: the hook
+undoes vLLM CPU's packs and padding before fingerprinting and names what it refuses).
 """
 
 from __future__ import annotations
@@ -106,11 +107,26 @@ def _padded(facts: dict, i_tp: int, missing: list[str]) -> int | None:
     return int(got)
 
 
+def vllm_layout(facts: dict, i_tp: int, where: str = "") -> ServerLayout:
+    """A vLLM layer's layout: what hooks.vllm.kernel_layout left in the captured bytes (the
+    checkpoint's shards, CPU packs and padding undone; up rows first under FlashInfer
+    CUTLASS), or the transform it refused."""
+    refused = facts.get("refused")
+    if isinstance(refused, dict):
+        raise LayoutRefused(str(refused.get("transform")), str(refused.get("why")), where)
+    got = facts.get("intermediate_size_per_partition")
+    if got != i_tp:
+        raise LayoutRefused(f"{got} intermediate rows per rank", f"the checkpoint gives each rank {i_tp}", where)
+    return ServerLayout(up_first=bool(facts.get("up_first")))
+
+
 def derive_layout(facts: dict | None, fmt: str, i_tp: int, source: str = "resident", where: str = "") -> ServerLayout:
     """The ServerLayout of one captured layer (i_tp: the checkpoint's I / moe_tp_size),
     or LayoutRefused. facts=None (a trace recorded before layouts were): canonical."""
     if facts is None:
         return CANONICAL
+    if facts.get("server") == "vllm":
+        return vllm_layout(facts, i_tp, where)
     try:
         if "error" in facts:
             raise LayoutRefused("an unreadable layout", f"reading the layer's facts failed: {facts['error']}")

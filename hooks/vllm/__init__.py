@@ -1,0 +1,5 @@
+"""moetrace inside a vLLM server: the ``vllm.general_plugins`` entry point (plugin), the
+wrapped model loader that captures at the load boundary and registers the forward hooks
+(loader, session), the MoE layers as vLLM builds them (experts), what its kernels do to
+the expert bytes (kernel_layout), and how a vLLM server command is recognised (command).
+Importing this package, or ``plugin``, loads nothing but the standard library."""
