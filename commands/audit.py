@@ -18,7 +18,7 @@ EXAMPLES = (
 
 @command("audit", EXAMPLES)
 @click.option("--launch", "launch_cmd", default=None, metavar="CMD",
-              help="Server command to launch with capture hooks (SGLang, the KT fork or `moetrace serve`).")
+              help="Server command to launch with capture hooks (SGLang, the KT fork, vLLM or `moetrace serve`).")
 @capture_option("out", default="moetrace-traces", required=False, show_default=True,
                 help="Trace output folder or URL (--launch).")
 @capture_option("run_id", help="Run id under OUT (--launch; default: a new timestamped id).")
@@ -31,7 +31,7 @@ EXAMPLES = (
 @click.option("--max-tokens", type=click.IntRange(min=1), default=4, show_default=True,
               help="Tokens generated per request (--launch).")
 @click.option("--base-url", default=None,
-              help="Server URL (default: http://127.0.0.1:<--port of the command, else 30000>).")
+              help="Server URL (default: http://127.0.0.1:<--port of the command, else 30000; vLLM: 8000>).")
 @click.option("--ready-timeout", type=Seconds(1), default=600.0, show_default=True,
               help="Seconds to wait for /health (--launch).")
 @click.option("--hook-config", type=click.Path(exists=True, dir_okay=False), default=None,

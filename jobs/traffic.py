@@ -1,8 +1,9 @@
 """Traffic for `moetrace audit --launch`: start the server with capture hooks
-(servers.launcher.Launcher: SGLang, the KT fork or moetrace's emulator), wait for
-/health, send prompts that take the staged path (fresh long prompts, then the same
-prefixes replayed with more text), stop the server cleanly (ranks close their
-traces first). jobs.audit analyzes the run folder.
+(servers.launcher.Launcher: SGLang, the KT fork, vLLM or moetrace's emulator), wait for
+/health, send prompts on the OpenAI /v1/completions endpoint (SGLang and vLLM both
+serve it) that take the staged path (fresh long prompts, then the same prefixes
+replayed with more text), stop the server cleanly (ranks close their traces first).
+jobs.audit analyzes the run folder.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def base_url_from(cmd: list[str], explicit: str | None) -> str:
     if _is_emulator(cmd) and not any(t == "--port" or t.startswith("--port=") for t in cmd):
         raise MoetraceError("--launch: `moetrace serve` picks a random port without --port; give it --port N "
                             "(or pass --base-url)")
-    host, port = "127.0.0.1", "30000"  # SGLang's defaults
+    from moetrace.servers.vllm_command import DEFAULT_PORT, invokes_vllm
+
+    host, port = "127.0.0.1", str(DEFAULT_PORT) if invokes_vllm(cmd) else "30000"  # the server's defaults
     for i, tok in enumerate(cmd):
         for flag, setter in (("--port", "port"), ("--host", "host")):
             if tok == flag and i + 1 < len(cmd):

@@ -92,7 +92,7 @@ def cuda_graph_flags_for(cmd: Sequence[str], choice: str = "auto", distribution:
     return LEGACY_CUDA_GRAPH_FLAGS, "default"
 
 
-TP_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size")
+TP_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size", "-tp")  # -tp: vLLM's short form
 MODEL_FLAGS = ("--model-path", "--model")
 
 

@@ -46,6 +46,7 @@ from moetrace.servers.command import (
     invokes_sglang,
     server_distribution,
 )
+from moetrace.servers import vllm_command
 from moetrace.servers.process_group import ServerGroup
 from moetrace.tracer.claim import read_refusals
 from moetrace.tracer.completeness import common_value, expected_labels, expected_rank_count, run_problems
@@ -127,13 +128,17 @@ class Launcher:
         self.close_timeout_s = close_timeout_s
         self.stop_grace_s = stop_grace_s
         self.replace = replace
-        dist = server_distribution()
-        self.sglang_version, how = (dist[1], "distribution") if dist else (None, "unknown")
+        # vLLM takes the config through its plugin and the environment (servers.vllm_command)
+        self.vllm = vllm_command.invokes_vllm(self.user_cmd)
+        dist = vllm_command.vllm_distribution() if self.vllm else server_distribution()
+        self.sglang_version, how = (dist[1], "distribution") if dist and not self.vllm else (None, "unknown")
         self.version_found_by = how
         self._server_flags, self._distribution = server_flags, dist
         self.flags: tuple[str, ...] | None = None  # None: the server's --help decides, in run()
         self.flags_found_by: str | None = None
-        if not disable_cuda_graph:
+        if self.vllm:
+            self.flags, self.flags_found_by = vllm_command.eager_flags(self.user_cmd, keep=not disable_cuda_graph)
+        elif not disable_cuda_graph:
             self.flags, self.flags_found_by = (), "kept"
         elif server_flags != "auto" or (dist is not None and dist[0] == "sglang-kt"):
             self.flags, self.flags_found_by = cuda_graph_flags_for(self.user_cmd, server_flags, dist)
@@ -147,7 +152,9 @@ class Launcher:
         self.run_id, self.nonce = self.config["run_id"], self.config["run_nonce"]
         self.control_dir = tempfile.mkdtemp(prefix="moetrace-ctl-")
         self.control_file = self.config["control_file"] = os.path.join(self.control_dir, f"{self.run_id}.close")
-        self.cmd = build_command(self.user_cmd, self.spec, self.flags or ())
+        if self.vllm:
+            self.spec = vllm_command.plugin_spec(self.config)
+        self.cmd = self.build()
         self.expected_ranks = expected_tp(self.user_cmd)
         self.fs, base = storage.open_fs(self.config["out"])
         self.run_dir = storage.join(base, self.run_id)
@@ -163,6 +170,18 @@ class Launcher:
             user_command=self.user_cmd, command=self.cmd, hook_spec=self.spec, expected_ranks=self.expected_ranks,
             tp_size=self.expected_ranks, checkpoint_id=self.config.get("checkpoint_id"),
         )
+
+    def build(self) -> list[str]:
+        """The command the server runs: the user's, with moetrace's hook flags."""
+        if self.vllm:
+            return self.user_cmd + [f for f in self.flags if f not in self.user_cmd]
+        return build_command(self.user_cmd, self.spec, self.flags or ())
+
+    def server_env(self) -> dict[str, str]:
+        """The server's environment: ours, the run id, and for vLLM the hook config."""
+        if self.vllm:
+            env.update(vllm_command.server_env(self.config))
+        return env
 
     @property
     def proc(self) -> subprocess.Popen | None:
@@ -205,7 +224,7 @@ class Launcher:
                                                                    self._distribution)
         else:
             self.flags, self.flags_found_by = LEGACY_CUDA_GRAPH_FLAGS, "default"
-        self.cmd = build_command(self.user_cmd, self.spec, self.flags)
+        self.cmd = self.build()
         self.run_manifest.update(cuda_graph_flags=list(self.flags), cuda_graph_flags_found_by=self.flags_found_by,
                                  command=self.cmd)
 
@@ -251,7 +270,7 @@ class Launcher:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         env = dict(os.environ, MOETRACE_RUN_ID=self.run_id)
         try:
-            self.server = ServerGroup(self.cmd, env)
+            self.server = ServerGroup(self.cmd, self.server_env())
             self.run_manifest["server_pid"] = self.server.pid
             self._write()
             while self.server.poll() is None:

@@ -47,7 +47,7 @@ class CaptureOptions:
     tensors: str | None = option()
     """Param names to capture, e.g. w2_weight,w2_weight_scale_inv (default: all)."""
     sources: str | None = option()
-    """resident, staged or both (default: resident,staged)."""
+    """Captures to keep: resident, loaded (vLLM), staged (KT), comma-separated (default: all)."""
     every_n_steps: int | None = option(flags=("--every",), min=1)
     """Capture every Nth step (default 1)."""
     first_n_steps: int | None = option(flags=("--first",), min=0)
