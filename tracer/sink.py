@@ -28,15 +28,14 @@ import threading
 import time
 from typing import Callable
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
 from moetrace import storage
 from moetrace.errors import MoetraceError
 from moetrace.fingerprint import finalize
-from moetrace.schema import TRACE_SCHEMA, rank_label
-from moetrace.tracer.batch import CaptureBatch, batch_rows
+from moetrace.schema import rank_label
+from moetrace.tracer.batch import CaptureBatch, TraceRows, batch_rows
 from moetrace.tracer.claim import claim_rank_dir
 from moetrace.tracer.dumps import write_dump
 from moetrace.tracer.manifest import MANIFEST_NAME, new_rank_manifest, rank_dir_name, utc_now
@@ -108,7 +107,7 @@ class TraceSink(RankRecord):
         self._q: queue.Queue = queue.Queue(maxsize=int(queue_size))
         self._q_bytes = 0
         self._q_max_bytes = int(queue_max_bytes)
-        self._batches: list[pa.RecordBatch] = []
+        self._rows = TraceRows()  # rows not yet in a part
         self._buffered_rows = 0
         self._next_part = 0
         self._dump_reserved = [0, 0]  # count, bytes promised to capture threads
@@ -239,8 +238,7 @@ class TraceSink(RankRecord):
                 fps = finalize(b.chunks, b.nbytes)
                 if b.on_folded is not None:  # the resident cache learns these weights' fingerprints
                     b.on_folded(fps)
-            rows, online = batch_rows(b, fps, self._m["run_id"], self.verifier, self.chunk_digests)
-            self._batches.append(rows)
+            online = batch_rows(b, fps, self._m["run_id"], self.verifier, self.chunk_digests, self._rows)
             self._buffered_rows += b.n_rows
             with self._lock:
                 for v in online:
@@ -269,16 +267,16 @@ class TraceSink(RankRecord):
             d["files"].append(rel)
 
     def _flush_part(self) -> None:
-        if not self._batches:
+        if not self._rows.rows:
             self._write_manifest_safely()
             return
-        batches, rows = self._batches, self._buffered_rows
-        self._batches, self._buffered_rows = [], 0
+        held, rows = self._rows, self._buffered_rows
+        self._rows, self._buffered_rows = TraceRows(), 0
         name = f"part-{self._next_part:05d}.parquet"
         final = storage.join(self.rank_dir, name)
         tmp = storage.join(self.rank_dir, f".{name}.tmp")
         try:
-            table = pa.Table.from_batches(batches, schema=TRACE_SCHEMA)
+            table = held.table()
             with self.fs.open_output_stream(tmp) as f:
                 pq.write_table(table, f, compression="zstd")
             self.fs.move(tmp, final)

@@ -175,11 +175,28 @@ def unpack_cpu(t: torch.Tensor, isa: str) -> torch.Tensor:
     return v.reshape(e, n, k)
 
 
-def _nonzero_slots(pad: torch.Tensor) -> list[int]:
-    if pad.numel() == 0:
-        return []
-    raw = pad.contiguous().view(torch.uint8).reshape(pad.shape[0], -1)  # bytes: -0.0 is not a zero pad
-    return torch.nonzero(raw.any(dim=1)).flatten().tolist()
+_GATHERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _gathers(name: str, isa: str, n: int, k: int, i: int, p: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat positions in one held expert of its canonical elements, in canonical order;
+    those of its zero pad): the pack undone and the pad cut by one index_select per tensor
+    (what a per-forward capture can afford), computed once per shape from unpack_cpu."""
+    key = (name, isa, n, k, i, p)
+    hit = _GATHERS.get(key)
+    if hit is None:
+        where = unpack_cpu(torch.arange(n * k, dtype=torch.int64).reshape(1, n, k), isa)[0]  # canonical -> held
+        if p is None:
+            keep, pad = where.reshape(-1), where.new_empty(0)
+        elif name == "w13_weight":
+            keep = torch.cat([where[:i], where[p:p + i]]).reshape(-1)
+            pad = torch.cat([where[i:p], where[p + i:]]).reshape(-1)
+        else:
+            keep, pad = where[:, :i].reshape(-1), where[:, i:].reshape(-1)
+        hit = _GATHERS[key] = (keep, pad)
+        if len(_GATHERS) > 256:
+            _GATHERS.clear()
+    return hit
 
 
 def canonical(tensors: dict[str, torch.Tensor], layout: ExpertLayout) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -194,18 +211,17 @@ def canonical(tensors: dict[str, torch.Tensor], layout: ExpertLayout) -> tuple[d
     for name, t in tensors.items():
         if name not in ("w13_weight", "w2_weight"):
             continue
-        w = unpack_cpu(t.detach(), layout.isa)
-        if p is not None:
-            if name == "w13_weight":
-                pad = torch.cat([w[:, i:p], w[:, p + i:]], dim=1)
-                w = torch.cat([w[:, :i], w[:, p:p + i]], dim=1)
-            else:
-                pad, w = w[:, :, i:], w[:, :, :i].contiguous()
-            bad = _nonzero_slots(pad)
-            if bad:
+        e, n, k = t.shape
+        keep, pad = _gathers(name, layout.isa, n, k, i, p)
+        flat = t.detach().reshape(e, n * k)
+        dev = flat.device
+        out[name] = flat.index_select(1, keep.to(dev)).reshape(e, 2 * i if name == "w13_weight" else n,
+                                                                i if name == "w2_weight" else k)
+        if pad.numel():
+            bad = torch.nonzero(flat.index_select(1, pad.to(dev)).view(torch.uint8).any(dim=1)).flatten().tolist()
+            if bad:  # bytes, not values: -0.0 is not a zero pad
                 problems.append(f"{name}: the kernel's zero padding (I_tp {i} padded to {p}) holds nonzero bytes in "
                                 f"slot(s) {bad}")
-        out[name] = w
     return out, problems
 
 
