@@ -21,7 +21,14 @@ import pyarrow.parquet as pq
 
 from moetrace.analysis.discovery import RunInfo, discover, load_runs
 from moetrace.errors import MoetraceError
-from moetrace.schema import MODELS, READABLE_TRACE_SCHEMA_VERSIONS, SOURCES, TENSOR_NAMES, TRACE_SCHEMA_VERSION, label_key
+from moetrace.schema import (
+    MODELS,
+    READABLE_TRACE_SCHEMA_VERSIONS,
+    SOURCES,
+    TENSOR_NAMES,
+    TRACE_SCHEMA_VERSION,
+    label_key,
+)
 
 TRACE_COLUMNS = [
     "schema_version", "run_id", "model", "tp_size", "tp_rank", "ep_size", "moe_tp_rank", "step", "source",

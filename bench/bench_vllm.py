@@ -49,7 +49,8 @@ def free_port() -> int:
 
 def request(url: str, i: int, max_tokens: int) -> float:
     body = json.dumps({"prompt": prompt(i, 16), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
-    req = urllib.request.Request(f"{url}/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    req = urllib.request.Request(f"{url}/v1/completions", data=body.encode(), headers=headers)
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=120) as resp:
         resp.read()

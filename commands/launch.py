@@ -34,8 +34,9 @@ def launch_cmd(capture, server_flags, keep_cuda_graph, close_timeout, replace, s
     SGLang: appends the moetrace --forward-hooks entry and the flags that turn CUDA graphs
     off (as the server spells them: --server-flags). vLLM (-m vllm.<module>, the vllm
     script): hands the hook config to moetrace's plugin in $MOETRACE_VLLM_CONFIG and adds
-    --enforce-eager (hooks run only without torch.compile and CUDA graphs). Forwards SIGINT/SIGTERM (after asking every rank to close its
-    trace) and writes OUT/<run_id>/_run.json. Exits with the server's exit code.
+    --enforce-eager (hooks run only without torch.compile and CUDA graphs). Forwards
+    SIGINT/SIGTERM (after asking every rank to close its trace) and writes
+    OUT/<run_id>/_run.json. Exits with the server's exit code.
     """
     from moetrace.hooks.spec import DEFAULT_TARGETS
     from moetrace.servers.launcher import Launcher

@@ -35,6 +35,7 @@ from moetrace import outputs, storage
 from moetrace.errors import MoetraceError
 from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec, index_fits
 from moetrace.schema import label_key, parse_rank_label
+from moetrace.servers import vllm_command
 from moetrace.servers.command import (
     FLAG_CHOICES,
     LEGACY_CUDA_GRAPH_FLAGS,
@@ -46,7 +47,6 @@ from moetrace.servers.command import (
     invokes_sglang,
     server_distribution,
 )
-from moetrace.servers import vllm_command
 from moetrace.servers.process_group import ServerGroup
 from moetrace.tracer.claim import read_refusals
 from moetrace.tracer.completeness import common_value, expected_labels, expected_rank_count, run_problems
@@ -179,6 +179,7 @@ class Launcher:
 
     def server_env(self) -> dict[str, str]:
         """The server's environment: ours, the run id, and for vLLM the hook config."""
+        env = dict(os.environ, MOETRACE_RUN_ID=self.run_id)
         if self.vllm:
             env.update(vllm_command.server_env(self.config))
         return env
@@ -268,7 +269,6 @@ class Launcher:
         self.echo(f"moetrace: run {self.run_id} -> {self.run_dir}")
         self.echo("moetrace: " + " ".join(self.cmd[:3]) + " ... " + " ".join(self.flags))
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        env = dict(os.environ, MOETRACE_RUN_ID=self.run_id)
         try:
             self.server = ServerGroup(self.cmd, self.server_env())
             self.run_manifest["server_pid"] = self.server.pid

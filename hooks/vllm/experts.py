@@ -116,25 +116,25 @@ def process_ranks(config, vllm_config) -> ProcessRanks:
     ps = sys.modules.get(PARALLEL_STATE)
     tp = _group(ps, "get_tp_group") if ps is not None else None
     pp = _group(ps, "get_pp_group") if ps is not None else None
-    sources = {}
+    found_by = {}
     if config.tp_rank is not None:
-        tp_rank, tp_size, sources["tp"] = config.tp_rank, config.tp_size or config.tp_rank + 1, "config"
+        tp_rank, tp_size, found_by["tp"] = config.tp_rank, config.tp_size or config.tp_rank + 1, "config"
     elif tp is not None:
-        (tp_rank, tp_size), sources["tp"] = tp, "vllm"
+        (tp_rank, tp_size), found_by["tp"] = tp, "vllm"
     else:
-        tp_rank, tp_size, sources["tp"] = 0, 1, "default"
+        tp_rank, tp_size, found_by["tp"] = 0, 1, "default"
     if config.pp_rank is not None:
-        pp_rank, pp_size, sources["pp"] = config.pp_rank, config.pp_size or config.pp_rank + 1, "config"
+        pp_rank, pp_size, found_by["pp"] = config.pp_rank, config.pp_size or config.pp_rank + 1, "config"
     elif pp is not None:
-        (pp_rank, pp_size), sources["pp"] = pp, "vllm"
+        (pp_rank, pp_size), found_by["pp"] = pp, "vllm"
     else:
-        pp_rank, pp_size, sources["pp"] = 0, 1, "default"
+        pp_rank, pp_size, found_by["pp"] = 0, 1, "default"
     par = getattr(vllm_config, "parallel_config", None)
     dp_size = int(getattr(par, "data_parallel_size", 1) or 1)
     if config.replica is not None:
-        replica, sources["replica"] = config.replica, "config"
+        replica, found_by["replica"] = config.replica, "config"
     elif dp_size > 1:
-        replica, sources["replica"] = int(par.data_parallel_rank), "vllm"
+        replica, found_by["replica"] = int(par.data_parallel_rank), "vllm"
     else:
-        replica, sources["replica"] = None, "vllm" if par is not None else "default"
-    return ProcessRanks(int(tp_rank), int(tp_size), int(pp_rank), int(pp_size), replica, sources)
+        replica, found_by["replica"] = None, "vllm" if par is not None else "default"
+    return ProcessRanks(int(tp_rank), int(tp_size), int(pp_rank), int(pp_size), replica, found_by)

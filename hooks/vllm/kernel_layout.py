@@ -43,6 +43,8 @@ CPU_PACKS = ("vec", "amx")  # the prepack isas moetrace undoes
 UNQUANTIZED_METHOD = "UnquantizedFusedMoEMethod"
 AS_LOADED_BACKENDS = ("TRITON", "BATCHED_TRITON")  # convert_to_unquantized_kernel_format: .contiguous()
 UP_FIRST_BACKENDS = ("FlashInfer CUTLASS",)  # swap_w13_to_w31
+QUANTIZED_WHY = "moetrace has qualified vLLM's unquantized MoE only"
+NOT_REPRODUCED = "not reproduced by moetrace"
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,10 @@ def loaded_layout(routed) -> ExpertLayout:
     """The layout of a layer right after load_weights."""
     f = _base_facts(routed, "loaded")
     i_tp = f["intermediate_size_per_partition"]
+    padded = f["param_intermediate_size"] != i_tp or f["param_hidden_size"] != f["hidden_size"]
     if f["quant_method_class"] != UNQUANTIZED_METHOD:
-        _refuse(f, f"vLLM's {f['quant_method_class']} expert weights", "moetrace has qualified vLLM's unquantized MoE only")
-    elif not isinstance(i_tp, int) or f["param_intermediate_size"] != i_tp or f["param_hidden_size"] != f["hidden_size"]:
+        _refuse(f, f"vLLM's {f['quant_method_class']} expert weights", QUANTIZED_WHY)
+    elif not isinstance(i_tp, int) or padded:
         _refuse(f, f"parameters created padded (intermediate {f['param_intermediate_size']} for {i_tp}, hidden "
                    f"{f['param_hidden_size']} for {f['hidden_size']}) by the {f['backend']} backend",
                 "the loader leaves the pad uninitialised until process_weights_after_loading")
@@ -133,13 +136,12 @@ def resident_layout(routed, tensors: dict[str, torch.Tensor]) -> ExpertLayout:
     i_tp = f["intermediate_size_per_partition"]
     backend, isa = f["backend"], f["isa"]
     if f["quant_method_class"] != UNQUANTIZED_METHOD:
-        return ExpertLayout(_refuse(f, f"vLLM's {f['quant_method_class']} expert weights",
-                                    "moetrace has qualified vLLM's unquantized MoE only"))
+        return ExpertLayout(_refuse(f, f"vLLM's {f['quant_method_class']} expert weights", QUANTIZED_WHY))
     if not isinstance(i_tp, int) or f["param_hidden_size"] != f["hidden_size"]:
-        return ExpertLayout(_refuse(f, f"the {backend} backend's hidden-size padding", "not reproduced by moetrace"))
+        return ExpertLayout(_refuse(f, f"the {backend} backend's hidden-size padding", NOT_REPRODUCED))
     if backend in AS_LOADED_BACKENDS:
         if f["param_intermediate_size"] != i_tp:
-            return ExpertLayout(_refuse(f, f"the {backend} backend's intermediate padding", "not reproduced by moetrace"))
+            return ExpertLayout(_refuse(f, f"the {backend} backend's intermediate padding", NOT_REPRODUCED))
         return ExpertLayout(f, None, i_tp)
     if backend in UP_FIRST_BACKENDS and f["param_intermediate_size"] == i_tp:
         f["up_first"] = True
@@ -150,7 +152,8 @@ def resident_layout(routed, tensors: dict[str, torch.Tensor]) -> ExpertLayout:
     if f["zentorch"]:
         return ExpertLayout(_refuse(f, "zentorch's MoE weights", "the zentorch kernel is not qualified by moetrace"))
     if isa not in CPU_PACKS:
-        return ExpertLayout(_refuse(f, f"vLLM CPU's {isa} prepack", "only the vec and amx packs are undone by moetrace"))
+        why = "only the vec and amx packs are undone by moetrace"
+        return ExpertLayout(_refuse(f, f"vLLM CPU's {isa} prepack", why))
     w13, w2 = tensors.get("w13_weight"), tensors.get("w2_weight")
     padded = int(w2.shape[-1]) if w2 is not None and w2.dim() == 3 else None
     if (w13 is None or padded is None or padded < i_tp or w13.shape[1] != 2 * padded or w2.shape[1] != w13.shape[2]

@@ -32,7 +32,8 @@ def read_config(value: str) -> dict:
             with open(text) as f:
                 text = f.read()
         except OSError as err:
-            raise ValueError(f"{CONFIG_ENV}={value!r}: neither a JSON object nor a readable file ({err.strerror})") from None
+            why = f"neither a JSON object nor a readable file ({err.strerror})"
+            raise ValueError(f"{CONFIG_ENV}={value!r}: {why}") from None
     try:
         config = json.loads(text)
     except json.JSONDecodeError as err:

@@ -55,8 +55,9 @@ def _tracer(config: dict, vllm_config) -> Tracer | None:
             log.error("moetrace: invalid hook config, tracing is off: %s", err)
             return None
         p = process_ranks(cfg, vllm_config)
-        tracer = _TRACERS[key] = Tracer(cfg, p.tp_rank, p.tp_size, rank_source=p.sources["tp"], pp_rank=p.pp_rank,
-                                        pp_size=p.pp_size, replica=p.replica, rank_sources=p.sources)
+        tracer = _TRACERS[key] = Tracer(cfg, p.tp_rank, p.tp_size, tp_rank_found_by=p.found_by["tp"],
+                                        pp_rank=p.pp_rank, pp_size=p.pp_size, replica=p.replica,
+                                        rank_found_by=p.found_by)
         return tracer
 
 
@@ -89,7 +90,7 @@ def weights_loaded(config: dict, model, vllm_config, model_config) -> None:
             tracer.note_once(f"{type(model).__name__} has no MoE expert layers at model.layers.*.mlp.experts: "
                              "nothing captured")
             return
-        tracer.register_model("target", step_source="layer-order", detected_by="vllm: the engine's model_config",
+        tracer.register_model("target", steps_found_by="layer-order", found_by="vllm: the engine's model_config",
                               architecture=type(model).__name__, layers=[x.layer for x in layers], server="vllm",
                               capture_points=list(CAPTURE_POINTS))
         _check_fit(tracer, model_config)
@@ -132,10 +133,10 @@ def model_ready(config: dict, model, vllm_config, model_config) -> None:
 def _check_fit(tracer: Tracer, model_config) -> None:
     """The guard's index must be of the checkpoint the server loaded (said once, unverified)."""
     guard = tracer.guard
-    if guard is None or guard.expectation is None:
+    if guard is None or guard.expected is None:
         return
     try:
-        guard.misfit(checkpoint_misfit(guard.expectation.meta, getattr(model_config, "model", None)))
+        guard.misfit(checkpoint_misfit(guard.expected.meta, getattr(model_config, "model", None)))
     except Exception as err:
         tracer.record_error("guard_fit", err)
 

@@ -132,7 +132,7 @@ def run_all(folder: Path) -> dict:
 def leftover_processes(runs: dict) -> list[int]:
     """Processes still alive in the session of any server the runs started (its workers
     included: the launcher runs the server as the leader of a new session)."""
-    from moetrace.hooks.process import session_members
+    from moetrace.servers.process_group import session_members
 
     left = []
     for res in runs.values():
