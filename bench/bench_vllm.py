@@ -9,7 +9,9 @@ default hook config), waits for /health, sends --warmup requests, then --request
 ones (one at a time, /v1/completions, temperature 0, --max-tokens tokens), and stops it
 (SIGTERM to its process group; launch closes the traces first). Prints the median latency
 of each and their ratio (target: traced <= 1.1x plain), per round and over all rounds, with
-the CPU model and the load average (the machine may be shared: compare runs at low load).
+the CPU model and the load average (the machine may be shared: compare runs at low load),
+and the CPU time the server's processes spent per timed request (user + system from /proc,
+which the machine's other load barely moves) and its ratio.
 
     python bench/bench_vllm.py                          # the tests' tiny Qwen3-MoE, TP2
     python bench/bench_vllm.py --model M --rounds 3     # a checkpoint of yours
@@ -39,6 +41,34 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 FLAGS = ["--tensor-parallel-size", "2", "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "1024", "--host", "127.0.0.1"]
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(name))
+    return kids
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) the live processes under `root` have used: the server's
+    API process, engine core and workers (a measure the machine's other load barely moves)."""
+    kids, todo, total = _children(), [root], 0
+    tick = os.sysconf("SC_CLK_TCK")
+    while todo:
+        pid = todo.pop()
+        todo += kids.get(pid, [])
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(f[11]) + int(f[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / tick
 
 
 def free_port() -> int:
@@ -99,10 +129,13 @@ def serve(kind: str, venv: Path, model: str, out: Path, tag: str, args) -> dict:
             healthy = wait_healthy(url, proc)
             for i in range(args.warmup):
                 request(url, 10_000 + i, args.max_tokens)
+            cpu0 = tree_cpu_s(proc.pid)
             lat = [request(url, i, args.max_tokens) for i in range(args.requests)]
+            cpu = tree_cpu_s(proc.pid) - cpu0
         finally:
             stop(proc)
     res = {"healthy_s": round(healthy, 1), "median_ms": round(1000 * median(lat), 2),
+           "cpu_ms_per_request": round(1000 * cpu / args.requests, 1),
            "latencies_ms": [round(1000 * x, 2) for x in lat]}
     if kind == "traced":
         run = json.loads((out / tag / "_run.json").read_text())
@@ -141,12 +174,16 @@ def main() -> None:
             "requests": args.requests, "max_tokens": args.max_tokens,
             "per_round": [{"eager_ms": rd["eager"]["median_ms"], "traced_ms": rd["traced"]["median_ms"],
                            "ratio": round(rd["traced"]["median_ms"] / rd["eager"]["median_ms"], 3),
+                           "cpu_ms_per_request": [rd[k]["cpu_ms_per_request"] for k in ("eager", "traced")],
                            "traced_complete": rd["traced"]["complete"], "traced_rows": rd["traced"]["rows"],
                            "healthy_s": [rd["eager"]["healthy_s"], rd["traced"]["healthy_s"]]} for rd in rounds],
             "eager_median_ms": round(median(all_lat["eager"]), 2),
             "traced_median_ms": round(median(all_lat["traced"]), 2),
         }
         doc["ratio"] = round(doc["traced_median_ms"] / doc["eager_median_ms"], 3)
+        cpu = {k: sum(rd[k]["cpu_ms_per_request"] for rd in rounds) / len(rounds) for k in ("eager", "traced")}
+        doc["cpu_ms_per_request"] = {k: round(v, 1) for k, v in cpu.items()}
+        doc["cpu_ratio"] = round(cpu["traced"] / cpu["eager"], 3)
         doc["target"] = "traced <= 1.1x eager"
         print(json.dumps(doc, indent=1))
 
