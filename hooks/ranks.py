@@ -1,8 +1,10 @@
 """Which process this is: TP rank, pipeline stage and data-parallel replica.
 
 Sources, first that answers: the hook config, SGLang's own state (0.5.23's
-``runtime_context.get_parallel()``; ``sglang.srt.distributed``'s getters, also in
-the fork), the registering ModelRunner, torch.distributed, the environment.
+``runtime_context.get_parallel()``; the parallel-state getters, exported by
+``sglang.srt.distributed`` in the fork and older releases, kept in
+``sglang.srt.distributed.parallel_state`` by 0.5.23), the registering ModelRunner,
+torch.distributed, the environment.
 Nothing here imports SGLang: its modules are consulted only when the server
 already imported them (``sys.modules``).
 """
@@ -32,12 +34,18 @@ def detect_rank(tp_rank: int | None = None, tp_size: int | None = None) -> tuple
     """(tp_rank, tp_size, how it was found)."""
     if tp_rank is not None:
         return int(tp_rank), int(tp_size or max(int(tp_rank) + 1, 1)), "config"
-    ps = sys.modules.get("sglang.srt.distributed")
-    if ps is not None:
+    par = _runtime_parallel()
+    if par is not None and _read(par, "tp_rank") is not None and _read(par, "tp_size"):
+        return _read(par, "tp_rank"), _read(par, "tp_size"), "sglang"
+    # 0.5.23 keeps the getters in parallel_state only (out of sglang.srt.distributed's
+    # exports); the fork and older releases export them from sglang.srt.distributed.
+    for name in ("sglang.srt.distributed.parallel_state", "sglang.srt.distributed"):
+        ps = sys.modules.get(name)
         try:
             return int(ps.get_tensor_model_parallel_rank()), int(ps.get_tensor_model_parallel_world_size()), "sglang"
-        except Exception:  # parallel state not initialized (yet)
+        except Exception:  # not loaded, not exported, or the parallel state not initialized (yet)
             pass
+    # The global rank: the TP rank only without pipeline stages (it is tp_size * pp_rank + tp_rank).
     try:
         import torch.distributed as dist
 

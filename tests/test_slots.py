@@ -328,3 +328,31 @@ def test_guard_verifies_eplb_slots_and_the_draft_by_model(server, tmp_path):
         assert g["tensors"]["mismatch"] == 4 * 5 and g["mismatches"][0]["model"] == "draft"
     finally:
         tr.close()
+
+
+def test_tp_rank_comes_from_sglangs_parallel_state_before_the_global_rank(monkeypatch):
+    """Under pipeline parallelism the global torch.distributed rank is tp_size * pp_rank +
+    tp_rank: SGLang's own state answers first. 0.5.23 publishes a ParallelContext and keeps
+    the getters in parallel_state only (not exported by sglang.srt.distributed); the fork
+    exports them from sglang.srt.distributed."""
+    import torch.distributed as dist
+
+    from moetrace.hooks.ranks import detect_rank
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)  # TP2 x PP2: stage 1, TP rank 1
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    for name in ("sglang.srt.runtime_context", "sglang.srt.distributed", "sglang.srt.distributed.parallel_state"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert detect_rank() == (3, 4, "torch.distributed")  # nothing of SGLang loaded: the global rank, said so
+    monkeypatch.setitem(sys.modules, "sglang.srt.distributed", types.SimpleNamespace())  # 0.5.23: no getters exported
+    getters = types.SimpleNamespace(get_tensor_model_parallel_rank=lambda: 1, get_tensor_model_parallel_world_size=lambda: 2)
+    monkeypatch.setitem(sys.modules, "sglang.srt.distributed.parallel_state", getters)
+    assert detect_rank() == (1, 2, "sglang")
+    monkeypatch.setitem(sys.modules, "sglang.srt.distributed.parallel_state", types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "sglang.srt.distributed", getters)  # the fork
+    assert detect_rank() == (1, 2, "sglang")
+    par = types.SimpleNamespace(tp_rank=0, tp_size=2)  # the published context wins over everything else
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", types.SimpleNamespace(get_parallel=lambda: par))
+    assert detect_rank() == (0, 2, "sglang")
+    assert detect_rank(tp_rank=1, tp_size=2) == (1, 2, "config")
