@@ -362,8 +362,9 @@ def test_fail_closed_fails_the_emulated_pass(make_ckpt, tmp_path):
 
 
 def test_unchanged_resident_weights_keep_their_verdict_without_device_work(model, tmp_path):
-    """Resident weights provably unchanged (same weights key) are not verified again; an
-    in-place write is; a remembered mismatch still fails every pass under fail-closed."""
+    """With the unchanged-weights cache on, resident weights provably unchanged (same weights
+    key) are not verified again and count against the pass's coverage (nothing read them); an
+    in-place write is verified; a remembered mismatch still fails every pass under fail-closed."""
     tr = _tracer(tmp_path, model.idx_a, guard="fail-closed")
     params = {k: torch.nn.Parameter(v.clone(), requires_grad=False) for k, v in model.host_a[0].items()}
 
@@ -375,7 +376,7 @@ def test_unchanged_resident_weights_keep_their_verdict_without_device_work(model
             forward(step)
         g = tr.sink.manifest()["guard"]
         assert g["tensors"] == {"match": ALL, "mismatch": 0, "unverified": 0, "reused": 2 * ALL}
-        assert tr.fingerprinted == 4 and g["loads"]["ok"] == 1 and g["coverage"] == {"resident": 0.5}
+        assert tr.fingerprinted == 4 and g["loads"]["ok"] == 1 and g["coverage"] == {"resident": 0.0}
         with torch.no_grad():  # expert 3's down-proj scale becomes expert 5's (the version counter moves)
             params["w2_weight_scale_inv"][3] = params["w2_weight_scale_inv"][5]
         for step in (3, 4):

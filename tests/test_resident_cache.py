@@ -1,5 +1,9 @@
-"""Resident weights fingerprinted once per version (tracer.unchanged, hooks.weight_events):
-proven by the tracer's counters; staged loads are fingerprinted every time."""
+"""Resident weights and the unchanged-weights cache (tracer.unchanged, hooks.weight_events).
+
+Off by default: writes through ``param.data`` move no version counter, so every resident
+capture reads its bytes again. On (``resident_cache: true``), a capture whose weights are
+provably unchanged is skipped: it writes no rows (nothing claims bytes nobody read) and is
+counted in ``resident_reused``; staged loads are fingerprinted every time."""
 
 from __future__ import annotations
 
@@ -41,16 +45,15 @@ def _digests(tmp_path):
     return {(r.step, r.tensor, r.expert): r.digest for r in table.itertuples()}
 
 
-def test_unchanged_weights_are_hashed_once_and_still_traced(tracer, tmp_path):
+def test_unchanged_weights_are_hashed_once_and_write_no_rows_again(tracer, tmp_path):
     ts = _params()
     for step in range(3):
         _capture(tracer, ts, step, epoch=1)
     assert (tracer.resident.hashed, tracer.resident.reused, tracer.fingerprinted) == (2, 4, 2)
     tracer.close()
     d = _digests(tmp_path)
-    assert len(d) == 3 * 2 * 4  # every step has its rows
-    assert all(d[(s, t, e)] == d[(0, t, e)] for (s, t, e) in d)
-    assert tracer.sink.manifest()["resident_reused"] == 4
+    assert sorted({s for s, _, _ in d}) == [0]  # steps 1 and 2 were not read: no row claims their bytes
+    assert len(d) == 2 * 4 and tracer.sink.manifest()["resident_reused"] == 4
 
 
 def test_any_change_rehashes(tracer, tmp_path):
@@ -68,8 +71,8 @@ def test_any_change_rehashes(tracer, tmp_path):
     tracer.close()
     d = _digests(tmp_path)
     assert d[(1, "w13_weight_scale_inv", 2)] != d[(0, "w13_weight_scale_inv", 2)]
-    assert d[(1, "w13_weight_scale_inv", 1)] == d[(0, "w13_weight_scale_inv", 1)]
-    assert d[(2, "w13_weight", 0)] != d[(1, "w13_weight", 0)]
+    assert (1, "w13_weight", 1) not in d  # skipped, not re-claimed
+    assert d[(2, "w13_weight", 0)] != d[(0, "w13_weight", 0)]
 
 
 def test_without_an_epoch_and_for_staged_loads_nothing_is_reused(tracer):
@@ -122,18 +125,40 @@ def _module(kt: bool):
 
 
 @pytest.mark.parametrize("kt", [False, True])
-def test_the_forward_hook_reuses_only_where_writes_are_counted(tracer, monkeypatch, kt):
+def test_the_forward_hook_reuses_only_where_writes_are_counted(tmp_path, monkeypatch, kt):
     monkeypatch.setattr(weight_events, "_installed", True)
-    m = _module(kt)
+    tracer = Tracer(TraceConfig.from_dict({"out": str(tmp_path), "run_id": "r", "resident_cache": True}), 0, 1)
+    try:
+        m = _module(kt)
+        hook = FusedMoECapture(tracer)
+        for _ in range(3):
+            hook(m, (), None)
+            assert tracer.flush(timeout=30)
+        assert tracer.resident.reused == (0 if kt else 4)
+        m.w13_weight.weight_loader(m.w13_weight, torch.zeros(4, 64, 32, dtype=torch.uint8).view(torch.float8_e4m3fn))
+        before = tracer.fingerprinted
+        hook(m, (), None)
+        assert tracer.fingerprinted == before + 2  # a counted write: both tensors re-hashed
+    finally:
+        tracer.close()
+
+
+def test_by_default_every_forward_reads_the_bytes_again(tracer, tmp_path, monkeypatch):
+    """The default (resident_cache off): a write through .data after some forwards, which no
+    version counter or counted writer sees, shows in the rows of the very next forward."""
+    monkeypatch.setattr(weight_events, "_installed", True)
+    m = _module(False)
     hook = FusedMoECapture(tracer)
-    for _ in range(3):
+    for step in range(5):
+        if step == 3:
+            m.w13_weight.data[0], m.w13_weight.data[2] = m.w13_weight.data[2].clone(), m.w13_weight.data[0].clone()
         hook(m, (), None)
         assert tracer.flush(timeout=30)
-    assert tracer.resident.reused == (0 if kt else 4)
-    m.w13_weight.weight_loader(m.w13_weight, torch.zeros(4, 64, 32, dtype=torch.uint8).view(torch.float8_e4m3fn))
-    before = tracer.fingerprinted
-    hook(m, (), None)
-    assert tracer.fingerprinted == before + 2  # a counted write: both tensors re-hashed
+    assert tracer.resident.reused == 0 and tracer.fingerprinted == 5 * 2
+    tracer.close()
+    d = _digests(tmp_path)
+    assert d[(3, "w13_weight", 0)] == d[(2, "w13_weight", 2)] and d[(4, "w13_weight", 2)] == d[(0, "w13_weight", 0)]
+    assert d[(2, "w13_weight", 0)] == d[(0, "w13_weight", 0)]
 
 
 def test_install_needs_every_known_writer(monkeypatch):

@@ -226,18 +226,16 @@ class Tracer:
             return self.guard.check(self, event, items)
         submitted = 0
         for it in items:
-            if it.fps is None:
-                self.fingerprinted += 1
-                chunks, ready = self.host_chunks(row_chunk_digests(it.rows))
-            else:
-                chunks, ready = None, None
+            if it.fps is not None:  # resident_cache: not read again, so no row claims these bytes
                 self.sink.update(resident_reused=self.resident.reused)
-            batch = self.batch(event, it, chunks, ready, it.fps)
-            if it.fps is None:
-                if source == "resident":
-                    batch.on_folded = self.resident.remember(event.where, it.name, it.key)
-                if self._sync_verify:
-                    self._verify_now(batch, it.data)
+                continue
+            self.fingerprinted += 1
+            chunks, ready = self.host_chunks(row_chunk_digests(it.rows))
+            batch = self.batch(event, it, chunks, ready, None)
+            if source == "resident":
+                batch.on_folded = self.resident.remember(event.where, it.name, it.key)
+            if self._sync_verify:
+                self._verify_now(batch, it.data)
             if self.sink.submit(batch):
                 submitted += batch.n_rows
         return submitted

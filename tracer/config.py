@@ -85,7 +85,10 @@ class TraceConfig:
     kt: object = "auto"  # install the KT SharedFullContext.load wrapper: auto | true | false
     control_file: str | None = None  # a local file whose appearance asks every rank to close
     cpu_threads: bool = True  # fingerprint CPU tensors on all cores
-    resident_cache: bool = True  # reuse the fingerprints of provably unchanged resident weights
+    # Off: writes through param.data (SGLang's loaders, and any corruption) move no version
+    # counter, so only reading the bytes again shows what a rank holds now. On: a resident
+    # capture whose counted writers did not run is skipped (no rows), counted in resident_reused.
+    resident_cache: bool = False
     close_timeout_s: float = 30.0
     guard: str | None = None  # verify on the device after every load: record | alert | fail-closed (needs index)
     guard_rows: str = "mismatch"  # guarded captures write rows for mismatches only, or all rows

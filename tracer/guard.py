@@ -179,7 +179,8 @@ class Guard:
 
     def _remembered(self, event: CaptureEvent, it: CapturedTensor) -> list[int] | None:
         """The last flags of a resident parameter provably unchanged since (same weights
-        key, same expected digests); with guard_rows=all only when its fingerprints are reused too."""
+        key, same expected digests; resident_cache on); with guard_rows=all only when its fingerprints are
+        reused too."""
         if event.source != "resident" or it.key is None:
             return None
         found = self._memo.get((*event.where, it.name))
@@ -190,12 +191,8 @@ class Guard:
     def _submit(self, tracer, event, it, flags, chunks, host, exp) -> int:
         """Trace rows of one tensor: mismatches always (with dumps), all rows with guard_rows=all."""
         words = [None if f == UNVERIFIED else VERDICTS[f] for f in flags]
-        if chunks is None:  # reused verdicts of unchanged weights
-            if self.rows != "all":
-                return 0
-            batch = tracer.batch(event, it, None, None, it.fps)
-            batch.online = words
-            return batch.n_rows if tracer.sink.submit(batch) else 0
+        if chunks is None:  # remembered verdicts of unchanged weights: nothing was read, no row claims these bytes
+            return 0
         bad = [i for i, f in enumerate(flags) if f == MISMATCH]
         if self.rows == "all":
             batch = tracer.batch(event, it, host[0], host[1], None)
@@ -229,21 +226,23 @@ class Guard:
     def _account(self, event: CaptureEvent, results, seconds: float) -> str | None:
         """Counts, coverage, metrics and the manifest for one load; the mismatch sentence
         (fresh or remembered mismatches) or None. Remembered verdicts of unchanged weights
-        count toward coverage only: nothing was verified again."""
+        (resident_cache on) are counted as reused and left out of the pass's coverage: nothing
+        read those bytes again."""
         counts: dict[tuple[int | str, str], list[int]] = {}  # (layer label, tensor) -> [match, mismatch, unverified]
         label = event.layer if event.model == "target" else f"{event.model}:{event.layer}"  # the metrics' layer
         bad, fresh_bad, verified_rows, unverified_rows = [], 0, {}, {}
         source = self.by_source.setdefault(event.source, dict.fromkeys(VERDICTS, 0))
         for it, flags, chunks, _ in results:
             c = [flags.count(MATCH), flags.count(MISMATCH), flags.count(UNVERIFIED)]
-            verified_rows[(event.layer, it.name)] = c[0] + c[1]
-            unverified_rows[(event.layer, it.name)] = c[2]
             if c[1]:
                 ids = [e for e, f in zip(event.experts, flags) if f == MISMATCH]
                 bad.append(f"{it.name} of expert{'s' if len(ids) > 1 else ''} {format_ids(ids)}")
-            if chunks is None:
+            if chunks is None:  # not read again: a write through .data would not show, so it is not verified
                 self.tensors["reused"] += len(flags)
+                verified_rows[(event.layer, it.name)], unverified_rows[(event.layer, it.name)] = 0, len(flags)
                 continue
+            verified_rows[(event.layer, it.name)] = c[0] + c[1]
+            unverified_rows[(event.layer, it.name)] = c[2]
             counts[(label, it.name)] = c
             fresh_bad += c[1]
             if c[2] and self.expected is not None:

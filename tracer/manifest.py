@@ -116,7 +116,7 @@ class RankManifest:
     captures: Count = 0
     """capture batches submitted inside the trace window"""
     resident_reused: Count = 0
-    """resident tensor captures served from the unchanged-weights cache (rows still written)"""
+    """resident tensor captures skipped by the unchanged-weights cache (resident_cache on): no rows, nothing read"""
     rows_captured: Count = 0
     """rows submitted inside the trace window"""
     rows_written: Count = 0
