@@ -11,10 +11,19 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from typing import Mapping, Sequence
 
 from moetrace.errors import MoetraceError
+
+
+def _has_fileno(stream) -> bool:
+    try:
+        stream.fileno()
+        return True
+    except (AttributeError, OSError, ValueError):  # pytest's capture, io.StringIO
+        return False
 
 
 class ServerGroup:
@@ -22,7 +31,10 @@ class ServerGroup:
 
     def __init__(self, cmd: Sequence[str], env: Mapping[str, str] | None = None):
         try:
-            self.proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None, start_new_session=True)
+            # The server's stdout goes to moetrace's stderr: moetrace's stdout holds its own
+            # verdict (audit --json, selftest --server --json), never a server's access log.
+            self.proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None, start_new_session=True,
+                                         stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None)
         except OSError as err:
             raise MoetraceError(f"launch: cannot start {cmd[0]} ({err.strerror or err})") from None
         self.pid = self.proc.pid
