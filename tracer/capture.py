@@ -224,6 +224,8 @@ class Tracer:
                  if name in TENSOR_NAMES and self.sampling.want_tensor(name)]
         if self.guard is not None:
             return self.guard.check(self, event, items)
+        if self.verifier is not None:
+            self._fit_online(event)
         submitted = 0
         for it in items:
             if it.fps is None:
@@ -241,6 +243,17 @@ class Tracer:
             if self.sink.submit(batch):
                 submitted += batch.n_rows
         return submitted
+
+    def _fit_online(self, event: CaptureEvent) -> None:
+        """Hold the layer's layout (recorded by the hook just before) to the index once: a layout
+        it was not built for is verified in that layout where derivable, else left unchecked."""
+        fit = self.verifier.fit_layer(event.source, event.model, event.layer,
+                                      self.layout(event.source, event.layer, event.model))
+        if fit is not None:
+            how = ("its w13 tensors are compared with the other gate/up order, derived from the index's chunk digests "
+                   "where each half is whole chunks (else unchecked)" if fit.swap_w13 else "its tensors are unchecked")
+            self.note_once(f"online verification: {fit.why}: {how}; build the index for this layout with `moetrace "
+                           "index --layout-from TRACE`")
 
     def _tensor(self, event: CaptureEvent, name: str, t: torch.Tensor, epoch) -> CapturedTensor:
         """One parameter: its reused fingerprints when provably unchanged, else its rows to fingerprint."""
@@ -289,7 +302,8 @@ class Tracer:
         b.online = self.verifier.batch_verdicts(b, [f.digest for f in fps])
         for i, v in enumerate(b.online):
             if v == MISMATCH and self.sink.reserve_dump(b.nbytes):
-                want = self.verifier.expected(b.model, b.ranks.moe_tp_rank, b.layer, b.experts[i], b.tensor)
+                want = self.verifier.expected(b.model, b.ranks.moe_tp_rank, b.layer, b.experts[i], b.tensor,
+                                              b.source)
                 b.dumps.append((b.experts[i], data[i].to("cpu", copy=True), want, fps[i].digest))
 
     # ------------------------------------------------------------ errors, lifecycle

@@ -13,6 +13,7 @@ docs/guard.md.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from moetrace.checkpoints.layout import LayoutRefused, ServerLayout
 from moetrace.checkpoints.layout_rules import derive_layout
@@ -65,6 +66,38 @@ def layout_misfit(meta: dict, facts: dict | None, source: str) -> str | None:
     if same and (source == "staged" or tuple(server.transforms) == tuple(index.transforms)):
         return None
     return f"the index is built for {index.describe()}, the server's {source} layer holds {server.describe()}"
+
+
+@dataclass(frozen=True)
+class LayoutFit:
+    """How a captured layer's tensors can be held to an index built for another layout:
+    ``why`` None: as they are; ``swap_w13``: the two halves of every w13 tensor swapped
+    (the index is of the other gate/up order, nothing else differs); else not at all
+    (every tensor of the layer unverified, ``why`` says so)."""
+
+    why: str | None = None
+    swap_w13: bool = False
+
+    @property
+    def verifiable(self) -> bool:
+        return self.why is None or self.swap_w13
+
+
+def layout_fit(meta: dict, facts: dict | None, source: str) -> LayoutFit:
+    """layout_misfit, told apart: a layout that differs from the index's only in the w13
+    half order can still be verified (swap_w13); anything else cannot."""
+    why = layout_misfit(meta, facts, source)
+    if why is None:
+        return LayoutFit()
+    try:
+        fmt, size, mtp = meta["format"], int(meta["intermediate_size"]), int(meta.get("moe_tp_size") or 1)
+        server = derive_layout(facts, fmt, size // mtp, source)
+    except (LayoutRefused, KeyError, TypeError, ValueError):
+        return LayoutFit(why)
+    index = ServerLayout.from_json(meta.get("layout"))
+    other_order = (server.up_first != index.up_first and server.intermediate_padded == index.intermediate_padded
+                   and (source == "staged" or not (server.transforms or index.transforms)))  # a transform: no swap
+    return LayoutFit(why, swap_w13=other_order)
 
 
 def model_path_of(runner) -> str | None:
