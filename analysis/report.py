@@ -28,6 +28,7 @@ from moetrace.analysis.index_choice import (
 from moetrace.analysis.row_check import RowFacts, rows_problems
 from moetrace.analysis.row_facts import index_contradictions, row_facts
 from moetrace.analysis.sentences import fmt_int, row_doc, sentence
+from moetrace.analysis.staging import staging_problem
 from moetrace.analysis.summaries import load_summaries
 from moetrace.analysis.trace import read_trace
 from moetrace.analysis.verdicts import MATCH, MISSING, OUT_OF_SCOPE, VERDICTS
@@ -116,6 +117,10 @@ def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> li
                                   "rows the manifest says were written")
             elif rk.rows_written and not read:
                 incomplete.append(f"run {run.run_id} rank {r}: nothing captured")
+        held = {s for (code, _), f in facts.items() if code == rc for s in f.sources}
+        problem = staging_problem(run, held)
+        if problem:
+            incomplete.append(problem)
         if not run.checkpoint_id:
             warnings.append(f"run {run.run_id}: manifests record no checkpoint_id, so the index's checkpoint cannot be "
                             f"confirmed")

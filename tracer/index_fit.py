@@ -26,18 +26,24 @@ def tp_misfit(meta: dict, tp_size: int | None) -> str | None:
     return f"the index is built for --tp {meta.get('tp_size')}, the server runs TP {tp_size}"
 
 
-def checkpoint_misfit(meta: dict, model_path: str | None) -> str | None:
-    """The index's checkpoint vs the checkpoint folder the server loaded (headers only);
-    None when the folder cannot be read here (a hub id, another machine)."""
+def checkpoint_identity(model_path: str | None) -> str | None:
+    """The identity of the checkpoint folder at `model_path` (config and headers only);
+    None when it cannot be read here (a hub id, another machine, not a checkpoint moetrace reads)."""
     if not model_path or not os.path.isdir(model_path):
         return None
     from moetrace.checkpoints.reader import open_checkpoint
 
     try:
-        identity = open_checkpoint(model_path).identity
+        return open_checkpoint(model_path).identity
     except MoetraceError:
         return None
-    if identity == meta.get("checkpoint_id"):
+
+
+def checkpoint_misfit(meta: dict, model_path: str | None, identity: str | None = None) -> str | None:
+    """The index's checkpoint vs the checkpoint folder the server loaded (`identity`: its
+    identity when already read); None when the folder cannot be read here."""
+    identity = identity or checkpoint_identity(model_path)
+    if identity is None or identity == meta.get("checkpoint_id"):
         return None
     return (f"the index is of checkpoint {meta.get('checkpoint_id')} ({meta.get('checkpoint_path')}), the server "
             f"loaded {model_path} (checkpoint {identity})")
