@@ -29,6 +29,7 @@ from moetrace.analysis.row_check import RowFacts, rows_problems
 from moetrace.analysis.row_facts import index_contradictions, row_facts
 from moetrace.analysis.sentences import fmt_int, row_doc, sentence
 from moetrace.analysis.staging import staging_problem
+from moetrace.analysis.staleness import check_fresh
 from moetrace.analysis.summaries import load_summaries
 from moetrace.analysis.trace import read_trace
 from moetrace.analysis.verdicts import MATCH, MISSING, OUT_OF_SCOPE, VERDICTS
@@ -341,7 +342,9 @@ def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | No
     except IndexLayoutMismatch as err:
         index_path, idx, trace_layout, note = matching_index(data, index_path, idx, err)
         notes.append(note)
-    report = build_report(Analysis(data, idx, index_path), list(paths), max_rows=max_rows)
+    analysis = Analysis(data, idx, index_path)
+    check_fresh(analysis, checkpoint)  # a divergence against a stale index is the index's, never the server's
+    report = build_report(analysis, list(paths), max_rows=max_rows)
     report.doc["inputs"]["layout"] = idx.layout.to_json()
     report.doc["warnings"] = notes + list(report.doc.get("warnings") or []) + trace_layout.warnings
     return report
