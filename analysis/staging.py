@@ -59,12 +59,12 @@ def staging_problem(run, held_sources: set[str]) -> str | None:
     traffic = (run.run_json or {}).get("traffic") if isinstance((run.run_json or {}).get("traffic"), dict) else {}
     words = traffic.get("prompt_tokens") if isinstance(traffic.get("prompt_tokens"), int) else None
     if isinstance(chunk, int) and 0 < chunk < threshold:
-        why = f"its prefill passes hold at most {chunk:,} tokens (chunked_prefill_size), fewer than the threshold"
+        why = f"its prefill passes hold at most {chunk} tokens (chunked_prefill_size {chunk}), fewer than the threshold"
     elif words is not None and words < threshold:
-        why = f"the prompts sent were ~{words:,} words (--prompt-tokens {words}), fewer than the threshold"
+        why = f"the prompts sent were ~{words} words (--prompt-tokens {words}), fewer than the threshold"
     else:
         why = "no prefill pass of the traffic reached the threshold"
-    return (f"run {run.run_id}: the server stages a layer only in a prefill pass of at least {threshold:,} tokens "
-            f"(threshold read from {said_by}) but the trace holds no staged load: {why}; only resident weights were "
-            f"checked (send prompts of at least {threshold:,} tokens; audit --launch sizes them from the threshold "
-            "when --prompt-tokens is not given)")
+    return (f"run {run.run_id}: the server stages a layer only in a prefill pass of at least {threshold} tokens "
+            f"(staging threshold {threshold}, read from {said_by}) but the trace holds no staged load: {why}; only "
+            f"resident weights were checked (send prompts of at least {threshold} tokens; audit --launch sizes them "
+            "from the threshold when --prompt-tokens is not given)")

@@ -236,10 +236,10 @@ def _planned(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[s
         staging = command_staging(cmd)
         if "staged" not in Sampling.from_config(launch.hook_config).sources:
             staging = None  # sampled out on purpose: no staged load is asked for
-        why = never_stages(staging)
+        why = never_stages(staging, launch.traffic.prompt_tokens)
         if why:
-            raise MoetraceError(f"audit --launch: {why}; give the server --chunked-prefill-size of at least "
-                                f"{staging['threshold']} or a lower threshold (nothing was launched)")
+            raise MoetraceError(f"audit --launch: {why}; give the server --chunked-prefill-size {staging['threshold']} "
+                                "or more, or a lower threshold (nothing was launched)")
     except MoetraceError as err:
         for line in opts.reports.write_unusable(str(err)):
             progress(f"moetrace: error: {line}")

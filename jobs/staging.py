@@ -58,14 +58,16 @@ def prompt_words(staging: dict | None) -> tuple[int, str]:
     return threshold + max(16, threshold // 8), "the staging threshold"
 
 
-def never_stages(staging: dict | None) -> str | None:
-    """Why no prefill pass of this command can stage (its chunks are shorter than the
-    threshold), or None."""
+def never_stages(staging: dict | None, words: int | None = None) -> str | None:
+    """Why no prefill pass of this command can stage (its passes are shorter than the
+    threshold), or None. words: the --prompt-tokens given, named in the sentence."""
     if staging is None or staging.get("chunked_prefill_size") is None:
         return None
     chunk, threshold = int(staging["chunked_prefill_size"]), int(staging["threshold"])
     if chunk >= threshold:
         return None
-    return (f"the server stages a layer only in a prefill pass of at least {threshold:,} tokens "
-            f"(--kt-gpu-prefill-token-threshold) but its passes hold at most {chunk:,} (--chunked-prefill-size; "
-            f"read from {staging['found_by']}): no request can take the staged path under test")
+    prompts = f" (prompts of ~{words} words, --prompt-tokens {words})" if words is not None else ""
+    return (f"the server stages a layer only in a prefill pass of at least {threshold} tokens "
+            f"(--kt-gpu-prefill-token-threshold {threshold}) but its passes hold at most {chunk} tokens "
+            f"(--chunked-prefill-size {chunk}; read from {staging['found_by']}): no request can take the staged path "
+            f"under test{prompts}")

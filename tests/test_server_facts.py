@@ -104,7 +104,7 @@ def test_audit_launch_refuses_a_command_whose_passes_never_reach_its_threshold(c
     cmd = " ".join([*SERVE, str(a), "--tp", "2", "--fence", "none", "--kt-gpu-prefill-token-threshold", "4096",
                     "--port", "31998"])
     one_line_error(cli("audit", "--launch", cmd, "--checkpoint", a, "--prompt-tokens", "200", "--out",
-                       tmp_path / "t"), "at least 4,096 tokens", "at most 32", "nothing was launched")
+                       tmp_path / "t"), "at least 4096 tokens", "at most 32", "--prompt-tokens 200", "nothing was launched")
     assert not (tmp_path / "t").exists()
     assert never_stages(command_staging(cmd.split())) is not None
     # staged captures sampled out on purpose (resident only): nothing to refuse
