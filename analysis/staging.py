@@ -58,7 +58,11 @@ def staging_problem(run, held_sources: set[str]) -> str | None:
     threshold, chunk = int(staging["threshold"]), staging.get("chunked_prefill_size")
     traffic = (run.run_json or {}).get("traffic") if isinstance((run.run_json or {}).get("traffic"), dict) else {}
     words = traffic.get("prompt_tokens") if isinstance(traffic.get("prompt_tokens"), int) else None
-    if isinstance(chunk, int) and 0 < chunk < threshold:
+    skipped = [n for rk in run.ranks.values() for n in (rk.manifest.get("notes") or [])
+               if isinstance(n, str) and ("staged contexts are not captured" in n or "staged capture skipped" in n)]
+    if skipped:
+        why = f"the server's staged layers were not captured ({skipped[0]})"
+    elif isinstance(chunk, int) and 0 < chunk < threshold:
         why = f"its prefill passes hold at most {chunk} tokens (chunked_prefill_size {chunk}), fewer than the threshold"
     elif words is not None and words < threshold:
         why = f"the prompts sent were ~{words} words (--prompt-tokens {words}), fewer than the threshold"
