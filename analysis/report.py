@@ -28,6 +28,8 @@ from moetrace.analysis.index_choice import (
 from moetrace.analysis.row_check import RowFacts, rows_problems
 from moetrace.analysis.row_facts import index_contradictions, row_facts
 from moetrace.analysis.sentences import fmt_int, row_doc, sentence
+from moetrace.analysis.staging import staging_problem
+from moetrace.analysis.staleness import check_fresh
 from moetrace.analysis.summaries import load_summaries
 from moetrace.analysis.trace import read_trace
 from moetrace.analysis.verdicts import MATCH, MISSING, OUT_OF_SCOPE, VERDICTS
@@ -116,6 +118,10 @@ def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> li
                                   "rows the manifest says were written")
             elif rk.rows_written and not read:
                 incomplete.append(f"run {run.run_id} rank {r}: nothing captured")
+        held = {s for (code, _), f in facts.items() if code == rc for s in f.sources}
+        problem = staging_problem(run, held)
+        if problem:
+            incomplete.append(problem)
         if not run.checkpoint_id:
             warnings.append(f"run {run.run_id}: manifests record no checkpoint_id, so the index's checkpoint cannot be "
                             f"confirmed")
@@ -336,7 +342,9 @@ def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | No
     except IndexLayoutMismatch as err:
         index_path, idx, trace_layout, note = matching_index(data, index_path, idx, err)
         notes.append(note)
-    report = build_report(Analysis(data, idx, index_path), list(paths), max_rows=max_rows)
+    analysis = Analysis(data, idx, index_path)
+    check_fresh(analysis, checkpoint)  # a divergence against a stale index is the index's, never the server's
+    report = build_report(analysis, list(paths), max_rows=max_rows)
     report.doc["inputs"]["layout"] = idx.layout.to_json()
     report.doc["warnings"] = notes + list(report.doc.get("warnings") or []) + trace_layout.warnings
     return report

@@ -113,6 +113,13 @@ def _first_line(err: BaseException) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
-def copy_index(src: Path, dst: str | os.PathLike, option: str = "-o") -> Path:
-    outputs.write_local(os.fspath(dst), option, lambda tmp: shutil.copyfile(src, tmp), make_parents=True)
-    return Path(dst)
+def copy_index(src: Path, dst: str | os.PathLike, option: str = "-o", meta: dict | None = None) -> Path:
+    """A copy of the index at `src`; `meta`: metadata keys the copy says otherwise (the
+    checkpoint folder asked for now, where a cached index came from)."""
+    if not meta:
+        outputs.write_local(os.fspath(dst), option, lambda tmp: shutil.copyfile(src, tmp), make_parents=True)
+        return Path(dst)
+    table = pq.read_table(src)
+    merged = {**json.loads(table.schema.metadata[INDEX_META_KEY]), **meta}
+    return write_index(table.replace_schema_metadata({**table.schema.metadata,
+                                                      INDEX_META_KEY: json.dumps(merged).encode()}), dst, option)

@@ -335,7 +335,10 @@ def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size
     if use_cache:
         cached, reused = cached_index(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats,
                                       moe_dp_size)
-        path = copy_index(cached, output)
+        # the copy names the folder asked for now (the cached file names the one that filled the cache) and the
+        # cache entry it came from, which a stale verdict drops (analysis.staleness)
+        path = copy_index(cached, output, meta={"checkpoint_path": str(Path(checkpoint).resolve()),
+                                                "cached_as": cached.name})
     else:
         path, reused = write_index(build_index(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats,
                                                moe_dp_size), output), False

@@ -19,12 +19,17 @@ Importing transformers' config classes costs seconds (they load torch._dynamo), 
 every process that opens a checkpoint. What they answer depends only on the config's
 contents and the transformers release, so the answer is kept in
 ``$MOETRACE_CACHE/config/`` under a hash of both: a second process reads it back
-without importing transformers.
+without importing transformers. A kept answer is used only when it names the config it
+answers for (the same hash, inside the file) and agrees with the raw reader on every
+attribute the raw reader knows (the sizes and the MoE layer rules): a file edited or
+planted there is ignored and asked again, never believed. ``--no-cache`` (``no_cache()``)
+neither reads nor writes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import json
 import os
@@ -71,6 +76,17 @@ DEFAULTS: dict[str, dict[str, object]] = {
                     "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "n_shared_experts": 1},
 }
 _MISSING = object()
+_USE_CACHE = contextvars.ContextVar("moetrace_config_cache", default=True)
+
+
+@contextlib.contextmanager
+def no_cache():
+    """Within: transformers is asked every time, nothing is read from or kept in the cache."""
+    token = _USE_CACHE.set(False)
+    try:
+        yield
+    finally:
+        _USE_CACHE.reset(token)
 
 
 def decoder_json(config: Mapping, arch: str, where: str) -> tuple[Mapping, str]:
@@ -122,30 +138,51 @@ def _quiet(hf_logging):
         hf_logging.set_verbosity(level)
 
 
-def _answer_path(config: Mapping, arch: str) -> Path | None:
-    """Where transformers' answer for this config is kept; None without transformers."""
+def _answer_key(config: Mapping, arch: str) -> str | None:
+    """The hash of (transformers release, architecture, the attributes read, the config);
+    None without transformers."""
     try:
         release = metadata.version("transformers")
     except metadata.PackageNotFoundError:
         return None
     key = json.dumps([release, arch, KEYS[MODEL_TYPES[arch][1]], config], sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _answer_path(key: str | None) -> Path | None:
+    """Where transformers' answer for this key is kept; None without one (or with --no-cache)."""
+    if key is None or not _USE_CACHE.get():
+        return None
     root = Path(os.environ.get("MOETRACE_CACHE", Path.home() / ".cache" / "moetrace"))
-    return root / "config" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+    return root / "config" / f"{key}.json"
 
 
-def _remembered(path: Path | None) -> dict[str, object] | None:
+def _remembered(path: Path | None, key: str | None, config: Mapping, arch: str, where: str
+                ) -> dict[str, object] | None:
+    """The kept answer, when it names this config and agrees with the raw reader on every
+    attribute the raw reader answers; else None (asked again)."""
     try:
-        answer = json.loads(path.read_text()) if path is not None else None
+        doc = json.loads(path.read_text()) if path is not None else None
     except (OSError, ValueError):
         return None
-    return answer if isinstance(answer, dict) else None
-
-
-def _remember(path: Path | None, answer: dict[str, object]) -> dict[str, object]:
-    """Keep the answer (whole or not at all; a cache that cannot be written costs only
-    time) and return it as it reads back, so the first process sees what later ones do."""
+    if not isinstance(doc, dict) or doc.get("for") != key or not isinstance(doc.get("answer"), dict):
+        return None
+    answer = doc["answer"]
     try:
-        text = json.dumps(answer)
+        raw = read_raw(config, arch, where)
+    except MoetraceError:  # transformers is asked, and says what is wrong in its words
+        return None
+    if any(answer.get(k, _MISSING) != v for k, v in raw.items()):
+        return None
+    return answer
+
+
+def _remember(path: Path | None, key: str | None, answer: dict[str, object]) -> dict[str, object]:
+    """Keep the answer with the config it answers for (whole or not at all; a cache that
+    cannot be written costs only time) and return it as it reads back, so the first
+    process sees what later ones do."""
+    try:
+        text = json.dumps({"for": key, "answer": answer})
     except (TypeError, ValueError):
         return answer
     if path is not None:
@@ -160,18 +197,19 @@ def _remember(path: Path | None, answer: dict[str, object]) -> dict[str, object]
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
-    return json.loads(text)
+    return json.loads(text)["answer"]
 
 
 def read_transformers(config: Mapping, arch: str, where: str) -> dict[str, object] | None:
     """The same attributes as transformers' config class answers them; None when
     transformers is not importable or does not know the model type."""
-    path = _answer_path(config, arch)
-    answer = _remembered(path)
+    key = _answer_key(config, arch)
+    path = _answer_path(key)
+    answer = _remembered(path, key, config, arch, where)
     if answer is None:
         answer = _ask_transformers(config, arch, where)
         if answer is not None:
-            answer = _remember(path, answer)
+            answer = _remember(path, key, answer)
     return answer
 
 

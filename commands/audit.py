@@ -24,8 +24,10 @@ EXAMPLES = (
 @capture_option("run_id", help="Run id under OUT (--launch; default: a new timestamped id).")
 @click.option("--requests", type=click.IntRange(min=1), default=3, show_default=True,
               help="Fresh long prompts to send (--launch).")
-@click.option("--prompt-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="Words per fresh prompt (~tokens; the emulator counts bytes) (--launch).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=None,
+              help="Words per fresh prompt (~tokens; the emulator counts bytes) (--launch). Default: past the staging "
+                   "threshold of a server that stages (--kt-gpu-prefill-token-threshold, `moetrace serve`'s), "
+                   "else 2048.")
 @click.option("--replays", type=click.IntRange(min=0), default=1, show_default=True,
               help="Times each prompt is replayed with an extension: prefix-cache hits (--launch).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=4, show_default=True,

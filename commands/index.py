@@ -31,13 +31,32 @@ EXAMPLES = (
               help="Index Parquet file to write.  [required]")
 @click.option("--output", "old_out", default=None, type=click.Path(dir_okay=False, path_type=str), hidden=True,
               help="The earlier spelling of --out, still read.")
-@click.option("--no-cache", is_flag=True, help="Rebuild even if the cache holds this index.")
+@click.option("--no-cache", is_flag=True,
+              help="Rebuild even if the cache holds this index; the config cache is neither read nor written.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of text; no progress bar.")
 def index_cmd(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layout_from, device, out, old_out,
               no_cache, as_json):
     """Fingerprint the TP shard of every expert a rank may hold, per the checkpoint."""
+    import contextlib
     import json
 
+    from moetrace.checkpoints.model_config import no_cache as config_cache_off
+
+    out = _one_out(out, old_out)
+    with config_cache_off() if no_cache else contextlib.nullcontext():  # neither the index cache nor the config cache
+        summary = _index(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layout_from, device, out,
+                         not no_cache, as_json)
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        how = ("reused cached index" if summary["reused_cache"]
+               else f"fingerprinted {summary['bytes_fingerprinted'] / 1e6:.1f} MB")
+        click.echo(f"wrote {summary['rows']} rows to {summary['index']} ({how}, {summary['seconds']} s, "
+                   f"checkpoint {summary['checkpoint_id']})")
+
+
+def _index(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layout_from, device, out, use_cache,
+           as_json) -> dict:
     from moetrace.checkpoints.index_build import make_index
     from moetrace.checkpoints.layout import ServerLayout
     from moetrace.checkpoints.reader import open_checkpoint
@@ -45,7 +64,6 @@ def index_cmd(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layou
     from moetrace.errors import MoetraceError
     from moetrace.schema import parse_ids
 
-    out = _one_out(out, old_out)
     spec = open_checkpoint(checkpoint).spec
     wanted = parse_ids(layers, "--layers", bound=spec.num_layers)
     check_split(tp_size, ep_size, moe_dp_size)
@@ -60,15 +78,9 @@ def index_cmd(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layou
     n_units = (len(wanted if wanted is not None else spec.moe_layers) + 1) * (tp_size // ep_size // moe_dp_size)
     show_bar = not as_json and sys.stderr.isatty()
     with click.progressbar(length=n_units, label="fingerprinting", file=sys.stderr) if show_bar else NullBar() as bar:
-        summary = make_index(checkpoint, out, tp_size, ep_size, wanted, layout, device, not no_cache, bar.update,
+        summary = make_index(checkpoint, out, tp_size, ep_size, wanted, layout, device, use_cache, bar.update,
                              moe_dp_size)
-    if as_json:
-        click.echo(json.dumps(summary))
-    else:
-        how = ("reused cached index" if summary["reused_cache"]
-               else f"fingerprinted {summary['bytes_fingerprinted'] / 1e6:.1f} MB")
-        click.echo(f"wrote {summary['rows']} rows to {summary['index']} ({how}, {summary['seconds']} s, "
-                   f"checkpoint {summary['checkpoint_id']})")
+    return summary
 
 
 def _one_out(out: str | None, old_out: str | None) -> str:

@@ -8,7 +8,7 @@ FusedMoE, its forward called on every pass so forward hooks fire),
 from a seed; expert weights are the rank's TP shards.
 
 The experts' ``quant_method`` is a ``KTEPWrapperMethod`` like the fork's:
-passes with at least ``threshold`` tokens (long prefill chunks) stage the whole
+passes with at least ``gpu_prefill_token_threshold`` tokens (long prefill chunks) stage the whole
 layer through ``SharedFullContext.load`` and compute with ``ctx.gpu_layer``;
 shorter passes (decode) use the resident weights. The MoE block all-reduces
 the rank's partial output over TP, so a wrong staged tensor on any rank
@@ -18,6 +18,7 @@ changes every rank's output.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
@@ -90,17 +91,48 @@ class ResidentMethod:
         return fused_moe_partial(x, topk, lambda e: self.resident_expert(layer, e))
 
 
+@dataclass(frozen=True)
+class KTConfig:
+    """What the fork's KTConfig says of staging (its field names): the hooks read it."""
+
+    gpu_prefill_token_threshold: int
+    chunked_prefill_size: int
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """The launch settings SGLang's ModelRunner keeps (its field names)."""
+
+    model_path: str | None
+    tp_size: int
+    chunked_prefill_size: int
+    kt_gpu_prefill_token_threshold: int
+
+
+@dataclass
+class EmulatedRunner:
+    """What SGLang's hook manager is called from: the runner of `model` (hooks.registration
+    reads it from the calling frame); no forward_pass_id counter (None)."""
+
+    model: nn.Module
+    server_args: ServerArgs
+    forward_pass_id: int | None = None
+
+
 class KTEPWrapperMethod(ResidentMethod):
     """The fork's wrapper: long passes stage the full layer, short ones stay resident.
 
     ``wrapper`` is rank 0's per-layer CPU-expert object (None elsewhere);
     ``full_context`` the global SharedFullContext; ``on_load(ctx, layer_idx)``
-    is called after each staged load (snapshots and the load log)."""
+    is called after each staged load (snapshots and the load log). The threshold and
+    the chunk size sit where the fork keeps them (``gpu_prefill_token_threshold``,
+    ``kt_config.chunked_prefill_size``)."""
 
-    def __init__(self, block, threshold: int, full_context, wrapper=None, gpu_experts_mask=None,
+    def __init__(self, block, kt_config: KTConfig, full_context, wrapper=None, gpu_experts_mask=None,
                  logical_to_gpu_index=None, on_load=None):
         super().__init__(block)
-        self.threshold = threshold
+        self.kt_config = kt_config
+        self.gpu_prefill_token_threshold = kt_config.gpu_prefill_token_threshold
         self.full_context = full_context
         self.wrapper = wrapper
         self.gpu_experts_mask = gpu_experts_mask
@@ -108,7 +140,7 @@ class KTEPWrapperMethod(ResidentMethod):
         self.on_load = on_load
 
     def apply(self, layer, x, topk):
-        if x.shape[0] < self.threshold or self.full_context is None:
+        if x.shape[0] < self.gpu_prefill_token_threshold or self.full_context is None:
             return super().apply(layer, x, topk)
         ctx = self.full_context
         # Looked up on the class at call time, so a wrapper installed on

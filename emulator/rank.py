@@ -109,7 +109,14 @@ def _snapshot(cfg: EmulatorConfig, state: RankState, ctx, layer_idx: int) -> Non
 
 
 def build(job: RankJob, state: RankState, with_model: bool = True) -> None:
-    from moetrace.emulator.model import EmulatedFusedMoE, KTEPWrapperMethod, build_model
+    from moetrace.emulator.model import (
+        EmulatedFusedMoE,
+        EmulatedRunner,
+        KTConfig,
+        KTEPWrapperMethod,
+        ServerArgs,
+        build_model,
+    )
     from moetrace.emulator.staging import SharedFullContext, make_wrappers, open_runtime, slot_layout
     from moetrace.emulator.weights import open_weights
 
@@ -162,10 +169,12 @@ def build(job: RankJob, state: RankState, with_model: bool = True) -> None:
         if cfg.snapshot_dir:
             _snapshot(cfg, state, c, layer_idx)
 
+    kt_config = KTConfig(cfg.prefill_threshold, cfg.chunk_tokens)
+
     def make_experts(L):
         m = EmulatedFusedMoE(L, dims.num_experts, dims.hidden, i_tp, dims.block, rank, world, device)
         m.load_shards(own[L])
-        m.quant_method = KTEPWrapperMethod(dims.block, cfg.prefill_threshold, ctx, state.wrappers.get(L), mask, l2g,
+        m.quant_method = KTEPWrapperMethod(dims.block, kt_config, ctx, state.wrappers.get(L), mask, l2g,
                                            on_load)
         return m
 
@@ -180,7 +189,11 @@ def build(job: RankJob, state: RankState, with_model: bool = True) -> None:
     if cfg.forward_hooks:
         from moetrace.emulator.forward_hooks import register_forward_hooks
 
-        state.hooks = register_forward_hooks(state.model, cfg.forward_hooks)
+        # As SGLang's ModelRunner registers its hooks: the hooks read the model path the server
+        # loaded from the runner's server_args (no pass counter: steps follow the layer order).
+        model_runner = EmulatedRunner(state.model, ServerArgs(cfg.weights.checkpoint, world, cfg.chunk_tokens,
+                                                              cfg.prefill_threshold))
+        state.hooks = register_forward_hooks(model_runner.model, cfg.forward_hooks)
 
 
 def _generate(state: RankState, req: dict) -> dict:

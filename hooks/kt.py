@@ -203,6 +203,29 @@ class KTLoadCapture:
                 pass
 
 
+def _count(value) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def staging_facts(modules, runner=None) -> dict | None:
+    """The KT wrapper's staging as the server holds it: the fork's KTEPWrapperMethod (the
+    hooked layers' quant_method) stages the full layer for a prefill pass of at least
+    ``gpu_prefill_token_threshold`` tokens (0: never); a pass holds at most
+    ``chunked_prefill_size`` tokens (its kt_config, else the runner's server_args). None: no
+    KT wrapper on the layers."""
+    for module in modules:
+        method = getattr(module, "quant_method", None)
+        threshold = _count(getattr(method, "gpu_prefill_token_threshold", None))
+        if threshold is None:
+            continue
+        chunk = _count(getattr(getattr(method, "kt_config", None), "chunked_prefill_size", None))
+        if chunk is None:
+            chunk = _count(getattr(getattr(runner, "server_args", None), "chunked_prefill_size", None))
+        return {"threshold": threshold, "chunked_prefill_size": chunk if chunk is not None and chunk > 0 else None,
+                "found_by": f"{type(method).__name__}.gpu_prefill_token_threshold"}
+    return None
+
+
 def find_shared_full_context(mode: object = "auto") -> list[type]:
     """SharedFullContext classes to wrap. "auto": every one defined by a module the
     server already loaded (the fork's wrapper module, or a stand-in such as moetrace's

@@ -11,6 +11,8 @@ runner does the same for its own model. The factory
 - finds this worker's identity (TP rank, pipeline stage, replica: hooks.ranks),
 - opens (once per process and run) the tracer and its Parquet sink,
 - wraps KT's ``SharedFullContext.load`` when the server is a KT server,
+- records the checkpoint the server loaded (its identity, read here from the runner's
+  model path) and the KT wrapper's staging threshold (hooks.kt.staging_facts),
 - with the guard on, listens to the server's weight-update entry points and checks
   that the index is of the checkpoint the server loaded (tracer.index_fit),
 - returns a FusedMoE capture hook bound to that model.
@@ -27,7 +29,7 @@ import threading
 
 from moetrace.hooks import weight_events
 from moetrace.hooks.fused_moe import FusedMoECapture, layer_of
-from moetrace.hooks.kt import install_kt_capture
+from moetrace.hooks.kt import install_kt_capture, staging_facts
 from moetrace.hooks.ranks import detect_process
 from moetrace.hooks.registration import Registration, bind_modules, find_registration, model_name
 from moetrace.tracer.capture import Tracer
@@ -84,6 +86,24 @@ def _missing(tracer: Tracer, message: str) -> None:
         tracer.sink.note(message)
 
 
+def _server_facts(tracer: Tracer, reg: Registration) -> None:
+    """What the target's runner and layers say of the server: the checkpoint it loaded, its
+    staging; the guard's index must be of that checkpoint (else unverified, said once)."""
+    try:
+        path = model_path_of(reg.runner)
+        identity = tracer.loaded_checkpoint(path)
+        if tracer.guard is not None and tracer.guard.expected is not None:
+            tracer.guard.misfit(checkpoint_misfit(tracer.guard.expected.meta, path, identity))
+    except Exception as err:
+        tracer.record_error("guard_fit" if tracer.guard is not None else "checkpoint_identity", err)
+    try:
+        staging = staging_facts(reg.modules.values(), reg.runner)
+        if staging is not None:
+            tracer.sink.update(staging=staging)
+    except Exception as err:
+        tracer.record_error("staging_facts", err)
+
+
 def make_hook(config: dict | None):
     """``factory(config) -> hook`` for SGLang's ``--forward-hooks``."""
     try:
@@ -110,11 +130,8 @@ def make_hook(config: dict | None):
     except Exception as err:
         tracer.record_error("model_identity", err)
         model = "target"
-    if tracer.guard is not None and tracer.guard.expected is not None and model == "target" and reg is not None:
-        try:  # the index of another checkpoint would fail every compare: unverified, said once
-            tracer.guard.misfit(checkpoint_misfit(tracer.guard.expected.meta, model_path_of(reg.runner)))
-        except Exception as err:
-            tracer.record_error("guard_fit", err)
+    if model == "target" and reg is not None:
+        _server_facts(tracer, reg)
     try:
         install_kt_capture(tracer, cfg.kt)
     except Exception as err:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from moetrace import outputs
@@ -19,8 +19,12 @@ from moetrace.checkpoints.index import index_metadata
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.errors import ExitCode, MoetraceError
 from moetrace.jobs.progress import Progress
-from moetrace.jobs.traffic import Traffic, launch_and_drive
+from moetrace.jobs.staging import command_staging, never_stages, prompt_words
+from moetrace.jobs.traffic import Traffic, launch_and_drive, split_command
 from moetrace.schema import parse_ids
+from moetrace.servers.command import expected_tp, model_path_of_command
+from moetrace.tracer import index_fit
+from moetrace.tracer.sampling import Sampling
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,7 @@ def run_audit(opts: AnalysisOptions, launch: LaunchOptions | None, echo: Callabl
         if not (opts.index or opts.checkpoint):
             raise MoetraceError("audit --launch: give --index FILE or --checkpoint CKPT to compare against")
         opts.reports.check()  # before the server starts
+        launch = _planned(launch, opts, progress)
         run_dir, traffic_problem, launch_doc = _launch(launch, opts, progress, live)
         opts = AnalysisOptions(**{**opts.__dict__, "trace": (run_dir,)})
     elif not opts.trace:
@@ -221,6 +226,52 @@ def _hand_index(config: dict, index: str) -> None:
         config["index"] = path
 
 
+def _planned(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[str], None]) -> LaunchOptions:
+    """Before anything starts: the reference must be of the command's model and TP size, a
+    command that stages must be able to reach its threshold, and the prompts are sized from
+    it when --prompt-tokens is not given. Refused in one line (reports say so too)."""
+    try:
+        cmd = split_command(launch.command)
+        _reference_fits(cmd, opts)
+        staging = command_staging(cmd)
+        if "staged" not in Sampling.from_config(launch.hook_config).sources:
+            staging = None  # sampled out on purpose: no staged load is asked for
+        why = never_stages(staging, launch.traffic.prompt_tokens)
+        if why:
+            raise MoetraceError(f"audit --launch: {why}; give the server --chunked-prefill-size {staging['threshold']} "
+                                "or more, or a lower threshold (nothing was launched)")
+    except MoetraceError as err:
+        for line in opts.reports.write_unusable(str(err)):
+            progress(f"moetrace: error: {line}")
+        raise
+    traffic = launch.traffic
+    if traffic.prompt_tokens is None:
+        words, source = prompt_words(staging)
+        traffic = replace(traffic, prompt_tokens=words, prompt_tokens_from=source)
+    return replace(launch, traffic=traffic)
+
+
+def _reference_fits(cmd: list[str], opts: AnalysisOptions) -> None:
+    """--index / --checkpoint against the model path and TP size the server command names
+    (a reference of another checkpoint or TP size would judge a clean server; said before
+    the launch, not after the run). Silent where the command does not say, or its model is
+    not a folder readable here."""
+    model, tp = model_path_of_command(cmd), expected_tp(cmd)
+    if opts.index:
+        meta = index_metadata(opts.index)
+        why = index_fit.tp_misfit(meta, tp) or index_fit.checkpoint_misfit(meta, model)
+        if why:
+            raise MoetraceError(f"audit --launch: --index {opts.index} does not fit the server command: {why} "
+                                "(nothing was launched)")
+        return
+    server = index_fit.checkpoint_identity(model)
+    if opts.checkpoint and server is not None:
+        identity = open_checkpoint(opts.checkpoint).identity
+        if identity != server:
+            raise MoetraceError(f"audit --launch: --checkpoint {opts.checkpoint} is checkpoint {identity}, the server "
+                                f"command loads {model} (checkpoint {server}) (nothing was launched)")
+
+
 def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[str], None],
             live: Progress | None = None) -> tuple[str, str | None, dict]:
     """Run the server under the launcher and drive its traffic; returns (run folder,
@@ -228,12 +279,11 @@ def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[st
     config = dict(launch.hook_config, out=launch.out)
     if launch.run_id:
         config["run_id"] = launch.run_id
+    # the manifests' checkpoint_id is the one each rank reads in the server, never the reference's
     if opts.index:
-        config.setdefault("checkpoint_id", index_metadata(opts.index)["checkpoint_id"])
         _hand_index(config, opts.index)
     elif opts.checkpoint:
         ckpt = open_checkpoint(opts.checkpoint)
-        config.setdefault("checkpoint_id", ckpt.identity)
         # the model's sizes are known: ranges past them are errors, never expanded in every server worker
         parse_ids(config.get("layers"), "--hook-config layers", bound=ckpt.spec.num_layers)
         parse_ids(config.get("experts"), "--hook-config experts",

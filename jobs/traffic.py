@@ -21,15 +21,17 @@ from typing import Callable
 
 from moetrace.errors import MoetraceError
 from moetrace.jobs.progress import Progress
+from moetrace.servers.command import is_moetrace_serve
 
 WORDS = ("expert", "slot", "rank", "layer", "scale", "fence", "copy", "stream", "event", "prefill", "chunk",
          "token", "shard", "weight", "block", "host", "device", "barrier", "writer", "reader")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Traffic:
     requests: int = 3  # fresh long prompts
-    prompt_tokens: int = 2048  # about this many words each
+    prompt_tokens: int | None = 2048  # about this many words each (None: audit --launch sizes them, jobs.staging)
+    prompt_tokens_from: str = "--prompt-tokens"  # or "the staging threshold", "the default"
     replays: int = 1  # each prompt replayed this many times with an extension (prefix-cache hits)
     max_tokens: int = 4
     ready_timeout_s: float = 600.0
@@ -52,14 +54,10 @@ def prompt(i: int, words: int) -> str:
     return " ".join(WORDS[(i * 7 + j * (i + 3) + j // n) % n] for j in range(max(1, words)))
 
 
-def _is_emulator(cmd: list[str]) -> bool:
-    return "serve" in cmd and any(t.endswith("moetrace") or t == "moetrace.cli" for t in cmd[: cmd.index("serve")])
-
-
 def base_url_from(cmd: list[str], explicit: str | None) -> str:
     if explicit:
         return explicit.rstrip("/")
-    if _is_emulator(cmd) and not any(t == "--port" or t.startswith("--port=") for t in cmd):
+    if is_moetrace_serve(cmd) and not any(t == "--port" or t.startswith("--port=") for t in cmd):
         raise MoetraceError("--launch: `moetrace serve` picks a random port without --port; give it --port N "
                             "(or pass --base-url)")
     from moetrace.servers.vllm_command import DEFAULT_PORT, invokes_vllm
@@ -213,6 +211,7 @@ def launch_and_drive(server_cmd: str | list[str], config: dict, traffic: Traffic
 
     Returns (run folder URL/path, server exit code, traffic result).
     """
+    from moetrace.jobs.staging import command_staging
     from moetrace.servers.launcher import Launcher
     from moetrace.servers.process_group import session_listens
 
@@ -223,6 +222,10 @@ def launch_and_drive(server_cmd: str | list[str], config: dict, traffic: Traffic
     port_check = check_port_free(url)
     launcher = Launcher(cmd, config, echo=echo, **launcher_kwargs)
     launcher.run_manifest["port_check"] = port_check
+    launcher.run_manifest["staging"] = command_staging(cmd)  # what the command says; the ranks record the server's
+    launcher.run_manifest["traffic"] = {"requests": traffic.requests, "prompt_tokens": traffic.prompt_tokens,
+                                        "replays": traffic.replays, "max_tokens": traffic.max_tokens,
+                                        "prompt_tokens_from": traffic.prompt_tokens_from}
     host, port = _host_port(url)
     result = TrafficResult()
 

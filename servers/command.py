@@ -112,6 +112,33 @@ def expected_tp(cmd: Sequence[str]) -> int | None:
     return int(v) if v and v.isdigit() else None
 
 
+def is_moetrace_serve(cmd: Sequence[str]) -> bool:
+    """The command starts `moetrace serve` (the emulated KT server)."""
+    cmd = list(cmd)
+    return "serve" in cmd and any(t.endswith("moetrace") or t == "moetrace.cli" for t in cmd[: cmd.index("serve")])
+
+
+# Flags of `moetrace serve` and `vllm serve` that take no value (everything else starting with - takes one).
+_BARE_FLAGS = ("--disable-cuda-graph", "--disable-prefill-cuda-graph", "--disable-decode-cuda-graph",
+               "--enforce-eager", "--trust-remote-code")
+
+
+def model_path_of_command(cmd: Sequence[str]) -> str | None:
+    """The model the server command loads: --model-path / --model, else the positional
+    argument of `moetrace serve CKPT` or `vllm serve MODEL`; None when it says none."""
+    found = flag_value(cmd, MODEL_FLAGS)
+    cmd = list(cmd)
+    if found is not None or "serve" not in cmd:
+        return found
+    rest, i = cmd[cmd.index("serve") + 1:], 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("-"):
+            return arg
+        i += 1 if "=" in arg or arg in _BARE_FLAGS else 2
+    return None
+
+
 def build_command(cmd: Sequence[str], spec: list[dict], flags: Sequence[str]) -> list[str]:
     """cmd + merged --forward-hooks + the CUDA-graph flags it does not have yet."""
     out: list[str] = []

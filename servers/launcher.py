@@ -39,12 +39,11 @@ from moetrace.servers import vllm_command
 from moetrace.servers.command import (
     FLAG_CHOICES,
     LEGACY_CUDA_GRAPH_FLAGS,
-    MODEL_FLAGS,
     build_command,
     cuda_graph_flags_for,
     expected_tp,
-    flag_value,
     invokes_sglang,
+    model_path_of_command,
     server_distribution,
 )
 from moetrace.servers.process_group import ServerGroup
@@ -147,7 +146,7 @@ class Launcher:
         self.spec = hook_spec(config, targets)
         self.config = self.spec[0]["config"]
         if self.config.get("index"):  # what the server command tells: its TP size and checkpoint folder
-            index_fits(self.config["index"], expected_tp(self.user_cmd), flag_value(self.user_cmd, MODEL_FLAGS))
+            index_fits(self.config["index"], expected_tp(self.user_cmd), model_path_of_command(self.user_cmd))
         check_metrics_ports(self.config.get("metrics_port"), expected_tp(self.user_cmd))
         self.run_id, self.nonce = self.config["run_id"], self.config["run_nonce"]
         self.control_dir = tempfile.mkdtemp(prefix="moetrace-ctl-")
@@ -346,7 +345,7 @@ class Launcher:
             stop=dict(self._stop),
             tp_size=expected_rank_count(ours, self.expected_ranks),
             ep_size=common_value(ours, "ep_size"),
-            checkpoint_id=self.config.get("checkpoint_id") or common_value(ours, "checkpoint_id"),
+            checkpoint_id=common_value(ours, "checkpoint_id") or self.config.get("checkpoint_id"),
             ranks=rank_summary(ours, self.expected_ranks),
             complete=not problems,
             problems=problems,

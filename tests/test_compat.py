@@ -198,13 +198,15 @@ def _stage(row: Row, layers: dict, monkeypatch):
     return SharedFullContext()
 
 
-def _run(o, row: Row, ckpt, out: Path, monkeypatch):
+def _run(o, row: Row, ckpt, out: Path, monkeypatch, corrupt: bool = True, **config):
     layers = _layers(o, row, ckpt)
-    if row.result in ("byte-equal", "reproduced"):
+    if corrupt and row.result in ("byte-equal", "reproduced"):
         _corrupt(layers)
     model = sl.ExpertsModel(layers, ckpt.spec.num_experts)
     ctx = _stage(row, layers, monkeypatch) if row.staged else None
-    spec = hook_spec({"out": str(out), "run_id": row.id, "flush_interval_s": 0.05, "tp_rank": 0, "tp_size": 1})
+    run_id = config.pop("run_id", row.id)
+    spec = hook_spec({"out": str(out), "run_id": run_id, "flush_interval_s": 0.05, "tp_rank": 0, "tp_size": 1,
+                      **config})
     load_hook_manager().register_forward_hooks(model, spec)  # SGLang's code calls moetrace's factory
     try:
         for layer in ckpt.spec.moe_layers:
@@ -216,7 +218,7 @@ def _run(o, row: Row, ckpt, out: Path, monkeypatch):
         for cap in list(sys.modules["moetrace.hooks.kt"]._ATTACHED.values()):
             cap.detach()
     assert sglang_hook.close_all()
-    return str(out / row.id)
+    return str(out / run_id)
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)
@@ -276,3 +278,32 @@ def test_prebuilt_index_must_be_for_the_traced_layout(oracle, make_ckpt, tmp_pat
     assert f"compared with the matching index built from its checkpoint {path}" in " ".join(res.output.split())
     assert runner.invoke(main, ["index", str(path), "--tp", "1", "--layout-from", trace, "-o", traced]).exit_code == 0
     assert analyze([trace], index=traced).exit_code == 1
+
+
+def test_online_verification_with_a_plain_index_on_an_up_first_server(oracle, make_ckpt, tmp_path, monkeypatch):
+    """hook-spec --index of a plain (gate-first) index on a flashinfer-trtllm server (w13 up
+    rows first): online verification holds w13 to the up-first order derived from the index's
+    chunk digests (each half is one 64 KiB chunk here), leaves the one-chunk w13 scale
+    unchecked, never says `mismatch` of a clean server, and the audit of that trace passes;
+    an injected fault is still a mismatch."""
+    from click.testing import CliRunner
+
+    from moetrace.cli import main
+
+    row = next(r for r in ROWS if r.id == "trtllm-fp8-block")
+    path = make_ckpt(family="qwen3_5_moe", fmt=row.fmt, quant_method=row.quant_method, **{**CKPT, "hidden": 256})
+    ckpt = open_checkpoint(path)
+    plain = str(tmp_path / "plain.parquet")
+    assert CliRunner().invoke(main, ["index", str(path), "--tp", "1", "-o", plain]).exit_code == 0
+    clean = _run(oracle, row, ckpt, tmp_path, monkeypatch, corrupt=False, index=plain, run_id="clean")
+    (m,) = read_manifests(str(tmp_path), "clean").values()
+    n = len(ckpt.spec.moe_layers) * ckpt.spec.num_experts
+    assert m["online"] == {"match": 3 * n, "mismatch": 0, "unchecked": n}, m["online"]
+    assert any("built for gate rows first" in note and "derived from the index's chunk digests" in note
+               for note in m["notes"]), m["notes"]
+    res = CliRunner().invoke(main, ["audit", clean, "--index", plain])
+    assert res.exit_code == 0 and "disagree" not in res.output, res.output
+    bad = _run(oracle, row, ckpt, tmp_path, monkeypatch, index=plain, run_id="corrupt")
+    (m,) = read_manifests(str(tmp_path), "corrupt").values()
+    assert m["online"] == {"match": 3 * n - 1, "mismatch": 1, "unchecked": n}, m["online"]
+    assert CliRunner().invoke(main, ["audit", bad, "--index", plain]).exit_code == 1

@@ -200,6 +200,28 @@ def test_audit_launch_fenced_exits_0(ckpt, tmp_path):
     assert json.loads((tmp_path / "a.json").read_text())["totals"]["missing"] == 0
 
 
+def test_audit_launch_of_a_staging_server_whose_prompts_never_stage_exits_2(ckpt, tmp_path):
+    """Threshold 512 (passes of up to 512 tokens): prompts of 20 words never stage, so the
+    racy server's trace holds resident loads only: exit 2 naming the prompts and the
+    threshold, never ALL MATCH. Without --prompt-tokens the prompts are sized from the
+    threshold: the staged loads are captured and E+2 is caught."""
+    flags = "--fence none --kt-gpu-prefill-token-threshold 512 --chunked-prefill-size 512"
+    short = _audit_launch(ckpt, tmp_path, flags)
+    assert short.returncode == 2 and "ALL MATCH" not in short.stdout, short.stdout + short.stderr
+    why = " ".join(short.stdout.split())
+    assert "stages a layer only in a prefill pass of at least 512 tokens" in why and "~20 words" in why
+    doc = json.loads((tmp_path / "a.json").read_text())
+    assert doc["audit_exit_code"] == 2 and any("holds no staged load" in p for p in doc["incomplete"])
+    port = _port()
+    server = f"{sys.executable} -m moetrace.cli serve {ckpt} --tp 2 --port {port} {flags}"
+    sized = subprocess.run([*CLI, "audit", "--launch", server, "--checkpoint", str(ckpt), "--requests", "1",
+                            "--out", str(tmp_path / "traces"), "--run-id", "sized"],
+                           capture_output=True, text=True, timeout=600)
+    assert sized.returncode == 1 and "(E+2)" in sized.stdout, sized.stdout + sized.stderr
+    run = json.loads((tmp_path / "traces" / "sized" / "_run.json").read_text())
+    assert run["traffic"]["prompt_tokens"] >= 512 and run["traffic"]["prompt_tokens_from"] == "the staging threshold"
+
+
 @pytest.mark.parametrize(
     "server,why",
     [

@@ -199,3 +199,31 @@ def test_a_corrupt_index_never_fails_closed(fit, tmp_path, caplog):
         tr.close()
     assert g["status"] == "unverified" and "corrupt" in g["status_reason"] and str(bad) in g["status_reason"]
     assert g["failed_closed"] is None and g["tensors"]["mismatch"] == 0
+
+
+def test_an_index_copied_from_the_cache_names_the_folder_asked_for(fit, tmp_path, monkeypatch):
+    """Two copies of one checkpoint (cp -p: the same cache key): the second `moetrace index`
+    is a cache hit, and its index records the second folder; the guard's re-verification
+    after update_weights_from_disk of that folder finds it."""
+    import shutil
+
+    from moetrace.checkpoints.index import index_metadata
+
+    monkeypatch.setenv("MOETRACE_CACHE", str(tmp_path / "cache"))
+    first, second = (shutil.copytree(fit.a, tmp_path / name, copy_function=shutil.copy2) for name in ("a", "b"))
+    updates = tmp_path / "updates"
+    updates.mkdir()
+    assert cli("index", first, "--tp", "1", "-o", tmp_path / "first.parquet").exit_code == 0
+    r = cli("index", second, "--tp", "1", "-o", updates / "second.parquet", "--json")
+    assert r.exit_code == 0 and json.loads(r.output)["reused_cache"], r.output
+    assert index_metadata(str(updates / "second.parquet"))["checkpoint_path"] == str(second.resolve())
+    assert index_metadata(str(tmp_path / "first.parquet"))["checkpoint_path"] == str(first.resolve())
+    tr = _tracer(tmp_path, str(tmp_path / "first.parquet"), guard="record", update_index_dir=str(updates))
+    try:
+        tr.guard.weights_updated("update_weights_from_disk", str(second), True)
+        tr.capture(fit.host1[0], layer=0, source="staged", step=0, experts=range(E))
+        g = _guard(tr)
+    finally:
+        tr.close()
+    assert g["weight_updates"][0]["index"] == str(updates / "second.parquet")
+    assert g["status"] == "ok" and g["tensors"]["match"] == ALL

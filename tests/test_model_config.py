@@ -5,6 +5,7 @@ each key left out (class defaults), and every alias spelling."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -94,7 +95,7 @@ def test_spec_without_transformers_equals_spec_with_it(monkeypatch):
     for arch in sorted(mc.MODEL_TYPES):
         specs[arch] = spec_from_config(written(arch), "config.json")
     monkeypatch.setattr(mc, "_transformers", lambda: None)
-    monkeypatch.setattr(mc, "_answer_path", lambda config, arch: None)  # nor its remembered answers
+    monkeypatch.setattr(mc, "_answer_path", lambda key: None)  # nor its remembered answers
     for arch, want in specs.items():
         assert spec_from_config(written(arch), "config.json") == want, arch
     # DeepSeek's written config leaves nothing out here; its class default for
@@ -119,3 +120,59 @@ def test_transformers_answer_is_remembered_per_config_and_release(tmp_path, monk
     assert mc.read_transformers(other, arch, "config.json") == {"num_experts": -1} and len(asked) == 1
     monkeypatch.setattr(mc.metadata, "version", lambda name: "0.0-another-release")
     assert mc.read_transformers(cfg, arch, "config.json") == {"num_experts": -1} and len(asked) == 2
+
+
+def _kept(cache) -> list:
+    return sorted((cache / "config").glob("*.json"))
+
+
+def test_a_kept_answer_is_held_to_its_config_and_to_the_raw_reader(make_ckpt, tmp_path, monkeypatch):
+    """A file under $MOETRACE_CACHE/config saying num_hidden_layers 1 (edited in place, or
+    planted in the format of an earlier release) is ignored: the index still has both layers."""
+    from support.cli import cli
+
+    from moetrace.checkpoints.index import index_metadata
+
+    monkeypatch.setenv("MOETRACE_CACHE", str(tmp_path / "cache"))
+    ckpt = make_ckpt(num_layers=2, num_experts=4, hidden=128, intermediate=256, seed=11)
+    assert cli("index", ckpt, "--tp", "1", "-o", tmp_path / "a.parquet").exit_code == 0
+    (kept,) = _kept(tmp_path / "cache")
+    doc = json.loads(kept.read_text())
+    assert doc["answer"]["num_hidden_layers"] == 2
+    for planted in ({**doc, "answer": {**doc["answer"], "num_hidden_layers": 1}},  # edited in place
+                    {**doc["answer"], "num_hidden_layers": 1},  # the bare answer an earlier release kept
+                    {"for": "0" * 64, "answer": {**doc["answer"], "num_hidden_layers": 1}}):  # another config's
+        kept.write_text(json.dumps(planted))
+        shutil.rmtree(tmp_path / "cache" / "index")  # the index is built again, from the config as read now
+        r = cli("index", ckpt, "--tp", "1", "-o", tmp_path / "b.parquet")
+        assert r.exit_code == 0 and index_metadata(str(tmp_path / "b.parquet"))["layers"] == [0, 1], r.output
+        kept.write_text(json.dumps(planted))
+        assert mc.read_decoder_config(*_cfg(ckpt))["num_hidden_layers"] == 2
+    # the control: an honest kept answer is used without asking transformers again
+    kept.unlink()
+    mc.read_decoder_config(*_cfg(ckpt))
+    asked = []
+    monkeypatch.setattr(mc, "_ask_transformers", lambda *a: asked.append(a))
+    assert mc.read_decoder_config(*_cfg(ckpt))["num_hidden_layers"] == 2 and not asked
+
+
+def _cfg(ckpt) -> tuple:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    return cfg, cfg["architectures"][0], "config.json"
+
+
+def test_no_cache_neither_reads_nor_writes_the_config_cache(make_ckpt, tmp_path, monkeypatch):
+    from support.cli import cli
+
+    monkeypatch.setenv("MOETRACE_CACHE", str(tmp_path / "cache"))
+    ckpt = make_ckpt(num_layers=2, num_experts=4, hidden=128, intermediate=256, seed=11)
+    asked = []
+    real = mc._ask_transformers
+    monkeypatch.setattr(mc, "_ask_transformers", lambda *a: asked.append(a) or real(*a))
+    assert cli("index", ckpt, "--tp", "1", "-o", tmp_path / "a.parquet", "--no-cache").exit_code == 0
+    assert asked and _kept(tmp_path / "cache") == []
+    n = len(asked)
+    mc.read_decoder_config(*_cfg(ckpt))  # without --no-cache: asked, then kept
+    assert len(asked) == n + 1 and len(_kept(tmp_path / "cache")) == 1
+    assert cli("index", ckpt, "--tp", "1", "-o", tmp_path / "b.parquet", "--no-cache").exit_code == 0
+    assert len(asked) > n + 1  # the kept answer was not read

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import traceback
@@ -23,6 +24,7 @@ import torch
 
 from moetrace.fingerprint import finalize, row_bytes, row_chunk_digests
 from moetrace.schema import TENSOR_NAMES, RankIdentity, dtype_name
+from moetrace.tracer import index_fit
 from moetrace.tracer.batch import CaptureBatch, CapturedTensor, CaptureEvent
 from moetrace.tracer.config import TraceConfig
 from moetrace.tracer.manifest import layout_key
@@ -82,7 +84,7 @@ class Tracer:
                 self.verifier = OnlineIndex(config.index)
             except Exception as err:  # trace anyway; the manifest says verification is off
                 index_error = f"online verification off: {err}"
-        checkpoint_id = config.checkpoint_id or (self.verifier.checkpoint_id if self.verifier else None)
+        checkpoint_id = config.checkpoint_id  # the server's own, once read (loaded_checkpoint); never the index's
         self.sink = TraceSink(
             config.out,
             config.run_id,
@@ -115,8 +117,6 @@ class Tracer:
             from moetrace.tracer.guard import Guard  # prometheus-client and the device tables: guard only
 
             self.guard = Guard(config, self.tp_rank, self.tp_size, self.sink, self.sink.counters)
-            if self.guard.expected is not None and checkpoint_id is None:
-                self.sink.update(checkpoint_id=self.guard.expected.checkpoint_id)
         if self.verifier is not None and not len(self.verifier):
             self.sink.note(f"index {config.index} has no rows: nothing is verified online")
         self._sync_verify = self.verifier is not None and config.dump_max_count > 0
@@ -137,6 +137,20 @@ class Tracer:
             elif facts.get("layers"):
                 self.sink.add_model_layers(name, facts["layers"])
             return state
+
+    def loaded_checkpoint(self, model_path: str | None) -> str | None:
+        """Record the checkpoint the server loaded (read here, in the server, from its model
+        path): the manifest's checkpoint_id is the server's, whatever the hook config says;
+        returns its identity, None when the folder cannot be read here."""
+        identity = index_fit.checkpoint_identity(model_path)
+        if identity is None:
+            return None
+        said = self.config.checkpoint_id
+        if said and said != identity:
+            self.note_once(f"the hook config says checkpoint {said}, the server loaded {model_path} (checkpoint "
+                           f"{identity}): the manifest records the server's")
+        self.sink.update(checkpoint_id=identity, checkpoint_path=os.path.abspath(model_path))
+        return identity
 
     def _model(self, name: str) -> ModelState:
         state = self.models.get(name)
@@ -224,6 +238,8 @@ class Tracer:
                  if name in TENSOR_NAMES and self.sampling.want_tensor(name)]
         if self.guard is not None:
             return self.guard.check(self, event, items)
+        if self.verifier is not None:
+            self._fit_online(event)
         submitted = 0
         for it in items:
             if it.fps is not None:  # resident_cache: not read again, so no row claims these bytes
@@ -239,6 +255,17 @@ class Tracer:
             if self.sink.submit(batch):
                 submitted += batch.n_rows
         return submitted
+
+    def _fit_online(self, event: CaptureEvent) -> None:
+        """Hold the layer's layout (recorded by the hook just before) to the index once: a layout
+        it was not built for is verified in that layout where derivable, else left unchecked."""
+        fit = self.verifier.fit_layer(event.source, event.model, event.layer,
+                                      self.layout(event.source, event.layer, event.model))
+        if fit is not None:
+            how = ("its w13 tensors are compared with the other gate/up order, derived from the index's chunk digests "
+                   "where each half is whole chunks (else unchecked)" if fit.swap_w13 else "its tensors are unchecked")
+            self.note_once(f"online verification: {fit.why}: {how}; build the index for this layout with `moetrace "
+                           "index --layout-from TRACE`")
 
     def _tensor(self, event: CaptureEvent, name: str, t: torch.Tensor, epoch) -> CapturedTensor:
         """One parameter: its reused fingerprints when provably unchanged, else its rows to fingerprint."""
@@ -287,7 +314,8 @@ class Tracer:
         b.online = self.verifier.batch_verdicts(b, [f.digest for f in fps])
         for i, v in enumerate(b.online):
             if v == MISMATCH and self.sink.reserve_dump(b.nbytes):
-                want = self.verifier.expected(b.model, b.ranks.moe_tp_rank, b.layer, b.experts[i], b.tensor)
+                want = self.verifier.expected(b.model, b.ranks.moe_tp_rank, b.layer, b.experts[i], b.tensor,
+                                              b.source)
                 b.dumps.append((b.experts[i], data[i].to("cpu", copy=True), want, fps[i].digest))
 
     # ------------------------------------------------------------ errors, lifecycle

@@ -39,7 +39,7 @@ class CaptureOptions:
     run_id: str | None = option()
     """Run id (folder under OUT); default: a new timestamped id."""
     checkpoint_id: str | None = option()
-    """Checkpoint identity to record (default: the index's, if --index)."""
+    """Checkpoint identity to record where a rank cannot read the checkpoint its server loaded (never the index's)."""
     layers: str | None = option()
     """MoE layers to capture, e.g. 0,2,40-47 (default: all)."""
     experts: str | None = option()

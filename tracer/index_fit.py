@@ -13,6 +13,7 @@ docs/guard.md.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from moetrace.checkpoints.layout import LayoutRefused, ServerLayout
 from moetrace.checkpoints.layout_rules import derive_layout
@@ -25,18 +26,24 @@ def tp_misfit(meta: dict, tp_size: int | None) -> str | None:
     return f"the index is built for --tp {meta.get('tp_size')}, the server runs TP {tp_size}"
 
 
-def checkpoint_misfit(meta: dict, model_path: str | None) -> str | None:
-    """The index's checkpoint vs the checkpoint folder the server loaded (headers only);
-    None when the folder cannot be read here (a hub id, another machine)."""
+def checkpoint_identity(model_path: str | None) -> str | None:
+    """The identity of the checkpoint folder at `model_path` (config and headers only);
+    None when it cannot be read here (a hub id, another machine, not a checkpoint moetrace reads)."""
     if not model_path or not os.path.isdir(model_path):
         return None
     from moetrace.checkpoints.reader import open_checkpoint
 
     try:
-        identity = open_checkpoint(model_path).identity
+        return open_checkpoint(model_path).identity
     except MoetraceError:
         return None
-    if identity == meta.get("checkpoint_id"):
+
+
+def checkpoint_misfit(meta: dict, model_path: str | None, identity: str | None = None) -> str | None:
+    """The index's checkpoint vs the checkpoint folder the server loaded (`identity`: its
+    identity when already read); None when the folder cannot be read here."""
+    identity = identity or checkpoint_identity(model_path)
+    if identity is None or identity == meta.get("checkpoint_id"):
         return None
     return (f"the index is of checkpoint {meta.get('checkpoint_id')} ({meta.get('checkpoint_path')}), the server "
             f"loaded {model_path} (checkpoint {identity})")
@@ -65,6 +72,38 @@ def layout_misfit(meta: dict, facts: dict | None, source: str) -> str | None:
     if same and (source == "staged" or tuple(server.transforms) == tuple(index.transforms)):
         return None
     return f"the index is built for {index.describe()}, the server's {source} layer holds {server.describe()}"
+
+
+@dataclass(frozen=True)
+class LayoutFit:
+    """How a captured layer's tensors can be held to an index built for another layout:
+    ``why`` None: as they are; ``swap_w13``: the two halves of every w13 tensor swapped
+    (the index is of the other gate/up order, nothing else differs); else not at all
+    (every tensor of the layer unverified, ``why`` says so)."""
+
+    why: str | None = None
+    swap_w13: bool = False
+
+    @property
+    def verifiable(self) -> bool:
+        return self.why is None or self.swap_w13
+
+
+def layout_fit(meta: dict, facts: dict | None, source: str) -> LayoutFit:
+    """layout_misfit, told apart: a layout that differs from the index's only in the w13
+    half order can still be verified (swap_w13); anything else cannot."""
+    why = layout_misfit(meta, facts, source)
+    if why is None:
+        return LayoutFit()
+    try:
+        fmt, size, mtp = meta["format"], int(meta["intermediate_size"]), int(meta.get("moe_tp_size") or 1)
+        server = derive_layout(facts, fmt, size // mtp, source)
+    except (LayoutRefused, KeyError, TypeError, ValueError):
+        return LayoutFit(why)
+    index = ServerLayout.from_json(meta.get("layout"))
+    other_order = (server.up_first != index.up_first and server.intermediate_padded == index.intermediate_padded
+                   and (source == "staged" or not (server.transforms or index.transforms)))  # a transform: no swap
+    return LayoutFit(why, swap_w13=other_order)
 
 
 def model_path_of(runner) -> str | None:

@@ -63,7 +63,15 @@ class RankManifest:
     """moetrace, python, torch, cuda, numpy, pyarrow, sglang, kt_kernel (installed distributions; null if absent;
     a vLLM server is named by `models.*.server` and `_run.json`'s `server_distribution`)"""
     checkpoint_id: str | None
-    """from the config, else the index"""
+    """the identity of the checkpoint the server loaded, read in the server (its model path's config and headers);
+    else the hook config's `checkpoint_id`; never the index's (the reference is what the trace is held to)"""
+    checkpoint_path: str | None = None
+    """the checkpoint folder the server loaded (its model path, read in the server; null where the hooks cannot see
+    it)"""
+    staging: dict | None = None
+    """the KT wrapper's staging, read in the server from the hooked layers: `threshold` (a prefill pass of at least
+    this many tokens stages the full layer; 0: never), `chunked_prefill_size` (the most tokens a prefill pass holds;
+    null if unknown), `found_by`; null: no KT wrapper on the hooked layers"""
     tp_size: Count
     """TP ranks of the server"""
     tp_rank: Count
@@ -211,7 +219,14 @@ class RunManifest:
     ep_size: Count | None = None
     """when all manifests agree"""
     checkpoint_id: str | None = None
-    """when all manifests agree (or the hook config names it)"""
+    """the checkpoint the ranks read in the server, when all manifests agree (else the hook config's)"""
+    staging: dict | None = None
+    """`audit --launch`: what the server command says of KT staging: `threshold` (a prefill pass of at least this many
+    tokens stages the full layer), `chunked_prefill_size` (null if the command does not say), `found_by` (the
+    flags, or `moetrace serve`'s defaults); null: it says nothing"""
+    traffic: dict | None = None
+    """`audit --launch`: the prompts it sends: `requests`, `prompt_tokens` (words per fresh prompt), `replays`,
+    `max_tokens`, `prompt_tokens_from` (`--prompt-tokens`, `the staging threshold`, `the default`)"""
     started_at: str
     """ISO-8601 UTC"""
     finished_at: str | None = None
@@ -319,9 +334,22 @@ def new_run_manifest(run_id: str, out: str, **fields) -> dict:
     return asdict(RunManifest(**{**made, **fields}))
 
 
+# Fields added within a schema version: a file written before them lacks them and reads as null.
+ADDED_RANK_FIELDS = ("checkpoint_path", "staging")
+ADDED_RUN_FIELDS = ("staging", "traffic")
+
+
+def _with_added(doc, names: tuple[str, ...]):
+    """`doc` with the added fields it lacks set to null (in place: readers keep the object)."""
+    if isinstance(doc, dict):
+        for name in names:
+            doc.setdefault(name, None)
+    return doc
+
+
 def check_rank_manifest(doc, path: str) -> dict:
     """A rank's ``_manifest.json``, checked against its declaration and its parts list."""
-    check_fields(doc, RankManifest, f"manifest {path}")
+    doc = check_fields(_with_added(doc, ADDED_RANK_FIELDS), RankManifest, f"manifest {path}")
     if doc["kind"] != "rank":
         raise MoetraceError(f"manifest {path}: kind is {doc['kind']!r}, expected 'rank'")
     if doc["tp_size"] < 1 or doc["tp_rank"] >= doc["tp_size"]:
@@ -340,7 +368,7 @@ def check_rank_manifest(doc, path: str) -> dict:
 
 def check_run_manifest(doc, path: str) -> dict:
     """A run's ``_run.json``, checked against its declaration and its ranks list."""
-    check_fields(doc, RunManifest, f"run file {path}")
+    doc = check_fields(_with_added(doc, ADDED_RUN_FIELDS), RunManifest, f"run file {path}")
     if doc["kind"] != "run":
         raise MoetraceError(f"run file {path}: kind is {doc['kind']!r}, expected 'run'")
     for i, entry in enumerate(doc["ranks"]):

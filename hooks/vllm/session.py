@@ -131,14 +131,16 @@ def model_ready(config: dict, model, vllm_config, model_config) -> None:
 
 
 def _check_fit(tracer: Tracer, model_config) -> None:
-    """The guard's index must be of the checkpoint the server loaded (said once, unverified)."""
+    """The checkpoint the server loaded goes in the manifest; the guard's index must be of it
+    (said once, unverified)."""
     guard = tracer.guard
-    if guard is None or guard.expected is None:
-        return
     try:
-        guard.misfit(checkpoint_misfit(guard.expected.meta, getattr(model_config, "model", None)))
+        path = getattr(model_config, "model", None)
+        identity = tracer.loaded_checkpoint(path)
+        if guard is not None and guard.expected is not None:
+            guard.misfit(checkpoint_misfit(guard.expected.meta, path, identity))
     except Exception as err:
-        tracer.record_error("guard_fit", err)
+        tracer.record_error("guard_fit" if guard is not None else "checkpoint_identity", err)
 
 
 def capture(tracer: Tracer, layer: MoELayer, source: str, step: int) -> int:
