@@ -28,7 +28,7 @@ from moetrace import fingerprint as fpdef
 from moetrace.checkpoints import index_cache
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
-from moetrace.checkpoints.reader import Checkpoint, as_slice, draft_checkpoint, open_checkpoint
+from moetrace.checkpoints.reader import Checkpoint, as_slice, draft_checkpoint, open_checkpoint, weight_files
 from moetrace.checkpoints.safetensors_file import host_copy
 from moetrace.checkpoints.spec import MoESpec
 from moetrace.errors import MoetraceError
@@ -280,7 +280,7 @@ def cache_key(checkpoint: str | os.PathLike, opts: IndexOptions, identity: str |
         identity = open_checkpoint(checkpoint).identity
     h = hashlib.sha256(identity.encode())
     root = Path(checkpoint)
-    for f in sorted(root.glob("*.safetensors")) + [root / "config.json"]:
+    for f in weight_files(root) + [root / "config.json"]:  # what a server loads: never a leftover or hidden file
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     h.update(json.dumps(asdict(opts), sort_keys=True).encode())
