@@ -7,12 +7,19 @@ import xml.etree.ElementTree as ET
 
 import pandas as pd
 
+from moetrace import outputs
 from moetrace.analysis.report import Report
 from moetrace.analysis.sentences import fmt_int, layer_text, load_label, row_doc, steps_text
 from moetrace.errors import ExitCode
 from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES
 
 STATUS_WORD = {"match": "ALL MATCH", "divergent": "DIVERGENT", "incomplete": "INCOMPLETE"}
+
+# What each report file starts with: a report path is replaced, or removed after a
+# failed run, only when it holds one of these (outputs.Ours).
+JSON_REPORT = outputs.json_schema("a moetrace JSON report", REPORT_SCHEMA)
+MARKDOWN_REPORT = outputs.text_head("a moetrace Markdown report", r"# moetrace ")
+JUNIT_REPORT = outputs.text_head("a moetrace JUnit report", r'<\?xml[^>]*\?>\s*<testsuites name="moetrace"')
 
 
 def to_json(rep: Report) -> str:
@@ -30,8 +37,8 @@ def unusable_json(message: str) -> str:
     return json.dumps(doc, indent=2) + "\n"
 
 
-def unusable_markdown(message: str) -> str:
-    return f"# moetrace audit: UNUSABLE (exit {int(ExitCode.INCOMPLETE)})\n\n{message}\n"
+def unusable_markdown(message: str, command: str = "audit") -> str:
+    return f"# moetrace {command}: UNUSABLE (exit {int(ExitCode.INCOMPLETE)})\n\n{_md_escape(message)}\n"
 
 
 def unusable_junit(message: str) -> str:

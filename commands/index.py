@@ -38,14 +38,17 @@ def index_cmd(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layou
     """Fingerprint the TP shard of every expert a rank may hold, per the checkpoint."""
     import json
 
+    from moetrace.checkpoints.index import INDEX_FILE
     from moetrace.checkpoints.index_build import make_index
     from moetrace.checkpoints.layout import ServerLayout
     from moetrace.checkpoints.reader import open_checkpoint
     from moetrace.checkpoints.shards import check_split
     from moetrace.errors import MoetraceError
+    from moetrace.outputs import probe_output
     from moetrace.schema import parse_ids
 
     out = _one_out(out, old_out)
+    probe_output(out, "-o", INDEX_FILE)  # -o replaces only an index: never a checkpoint's weight map or shard
     spec = open_checkpoint(checkpoint).spec
     wanted = parse_ids(layers, "--layers", bound=spec.num_layers)
     check_split(tp_size, ep_size, moe_dp_size)

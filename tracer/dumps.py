@@ -28,6 +28,8 @@ def write_dump(fs: pafs.FileSystem, rank_dir: str, run_id: str, b: CaptureBatch,
         "digest": got.hex(), "expected_digest": want.hex() if want else "",
     }
     data = save({b.tensor: tensor.contiguous()}, metadata=meta)
+    if storage.is_link(fs, storage.join(rank_dir, DUMP_DIR)):
+        raise OSError(f"{storage.join(rank_dir, DUMP_DIR)} is a symbolic link; dumps are never written through one")
     storage.make_dirs(fs, storage.join(rank_dir, DUMP_DIR))
     storage.write_atomic(fs, storage.join(rank_dir, DUMP_DIR, name), data)
     return f"{DUMP_DIR}/{name}", len(data)
