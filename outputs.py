@@ -255,6 +255,12 @@ def _umask() -> int:
     return mask
 
 
+def plain_mode(path: str) -> None:
+    """Give a file the mode a plain open() would (0666 less the umask): writers that make
+    0600 files (safetensors' save_file) must not leave outputs others cannot read."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def _reason(err: BaseException) -> str:
     """The first line of an error, the errno text for OS errors (disk full, read-only...)."""
     if isinstance(err, OSError) and err.strerror:

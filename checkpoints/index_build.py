@@ -268,8 +268,10 @@ def _writable_cache() -> Path:
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
+        # analyze/audit have no --no-cache: the way round the cache is an index built without it
         raise MoetraceError(f"MOETRACE_CACHE {path}: cannot write the index cache there ({err.strerror or err}); "
-                            "set MOETRACE_CACHE to a writable folder or pass --no-cache") from None
+                            "set MOETRACE_CACHE to a writable folder, or build the index without it: moetrace index "
+                            "CKPT --tp N --no-cache -o FILE (analyze and audit then take --index FILE)") from None
     return path
 
 
@@ -317,6 +319,7 @@ def cached_index(
             differs = str(err)
         if differs is None:
             return path, True
+        _writable_cache()  # the stale entry is replaced: a read-only cache is one line, never a raw OSError
         path.unlink(missing_ok=True)
     table = build_index(checkpoint, tp_size, ep_size, resolved, layout, device, progress, stats, moe_dp_size)
     write_index(table, path, "MOETRACE_CACHE")

@@ -7,7 +7,7 @@ against the index when online verification is on, and writes
 
     OUT/<run_id>/rank=<label>/part-NNNNN.parquet   (TRACE_SCHEMA, one row per tensor)
     OUT/<run_id>/rank=<label>/_manifest.json        (rewritten after every part)
-    OUT/<run_id>/rank=<label>/dumps/*.safetensors  (mismatching tensors, capped)
+    OUT/<run_id>/rank=<label>/_dumps/*.safetensors (mismatching tensors, capped)
 
 <label> is schema.rank_label: the TP rank, or e.g. "pp1-tp3" / "replica2-tp3" when
 the server has pipeline stages or data-parallel replicas; the folder is claimed for
