@@ -195,6 +195,11 @@ def read_json(fs: pafs.FileSystem, path: str):
         return json.loads(f.read().decode())
 
 
+def is_link(fs: pafs.FileSystem, path: str) -> bool:
+    """Whether a local ``path`` is a symbolic link (object stores have none)."""
+    return isinstance(fs, pafs.LocalFileSystem) and os.path.islink(path.rstrip("/") or path)
+
+
 def exists(fs: pafs.FileSystem, path: str) -> bool:
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 

@@ -37,9 +37,11 @@ class Grid:
     layer_names: list[str] | None = None  # tick labels of the layer axis ("draft 0" for a draft's layer)
 
 
-# plot severity: which verdict a cell shows when its tensors/steps disagree
-SEVERITY = {MATCH: 0, MISSING: 1, UNEXPECTED: 2, CONSTANT: 3, ZEROS: 4, UNKNOWN: 5, WRONG_TENSOR: 6,
-            WRONG_LAYER: 7, WRONG_RANK: 8, TORN: 9, STALE: 10}
+# plot severity: which verdict a cell shows when its tensors/steps disagree. Unknown bytes
+# (no shard of the checkpoint) are the least explained and on top: under stale, the
+# race's stale w2 scales would hide them in every cell they share.
+SEVERITY = {MATCH: 0, MISSING: 1, UNEXPECTED: 2, CONSTANT: 3, ZEROS: 4, WRONG_TENSOR: 5, WRONG_LAYER: 6,
+            WRONG_RANK: 7, TORN: 8, STALE: 9, UNKNOWN: 10}
 _BY_SEVERITY = sorted(SEVERITY, key=SEVERITY.get)
 
 

@@ -21,7 +21,7 @@ from moetrace.analysis.verdicts import (
     WRONG_TENSOR,
     ZEROS,
 )
-from moetrace.errors import MoetraceError
+from moetrace.errors import ExitCode, MoetraceError
 
 COLORS = {
     MATCH: "#cfe8cf",
@@ -53,6 +53,10 @@ def _stale_color(k: int, kmax: int):
 
 
 FORMATS = ("png", "svg", "pdf")
+# Every picture carries this title in its metadata (PNG text, SVG dc:title, PDF /Title):
+# a --plot path is replaced, or removed after a failed run, only when it holds one.
+TITLE = "moetrace verdict grid"
+PLOT_FILE = outputs.containing("a moetrace plot", TITLE.encode())
 NO_MATPLOTLIB = "matplotlib is not installed here (pip install matplotlib)"
 
 
@@ -90,7 +94,10 @@ def _pyplot(path: str):
 def _save(plt, fig, path: str, fmt: str) -> None:
     try:
         # complete or not at all: a full disk never leaves half a picture
-        outputs.write_local(path, "--plot", lambda tmp: fig.savefig(tmp, format=fmt, dpi=110), wrap=False)
+        def fill(tmp: str) -> None:
+            fig.savefig(tmp, format=fmt, dpi=110, metadata={"Title": TITLE})
+
+        outputs.write_local(path, "--plot", fill, ours=PLOT_FILE, make_parents=True, wrap=False)
     except MoetraceError:
         raise
     except Exception as err:  # matplotlib or the filesystem (e.g. an unwritable folder): one line, naming the path
@@ -134,14 +141,15 @@ def plot(rep: Report, path: str, run: int | str = 0) -> str:
     return path
 
 
-def plot_unusable(message: str, path: str) -> str:
+def plot_unusable(message: str, path: str, command: str = "audit") -> str:
     """The picture of a run with no verdict (an unusable trace): the reason, in words, so
-    that no earlier run's grid is left at ``path``."""
+    that no earlier run's grid is left at ``path``; titled for the command that wrote it."""
     path = os.fspath(path)
     fmt = plot_format(path)
     plt = _pyplot(path)
     fig = plt.figure(figsize=(8, 2.5))
-    fig.text(0.02, 0.9, "moetrace audit: UNUSABLE (exit 2), no verdict", fontsize=12, fontweight="bold", va="top")
+    fig.text(0.02, 0.9, f"moetrace {command}: UNUSABLE (exit {int(ExitCode.INCOMPLETE)}), no verdict", fontsize=12,
+             fontweight="bold", va="top")
     fig.text(0.02, 0.7, _wrap(message, 100), fontsize=9, va="top")
     _save(plt, fig, path, fmt)
     return path

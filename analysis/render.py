@@ -7,12 +7,19 @@ import xml.etree.ElementTree as ET
 
 import pandas as pd
 
+from moetrace import outputs
 from moetrace.analysis.report import Report
 from moetrace.analysis.sentences import fmt_int, layer_text, load_label, row_doc, steps_text
 from moetrace.errors import ExitCode
 from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES
 
 STATUS_WORD = {"match": "ALL MATCH", "divergent": "DIVERGENT", "incomplete": "INCOMPLETE"}
+
+# What each report file starts with: a report path is replaced, or removed after a
+# failed run, only when it holds one of these (outputs.Ours).
+JSON_REPORT = outputs.json_schema("a moetrace JSON report", REPORT_SCHEMA)
+MARKDOWN_REPORT = outputs.text_head("a moetrace Markdown report", r"# moetrace ")
+JUNIT_REPORT = outputs.text_head("a moetrace JUnit report", r'<\?xml[^>]*\?>\s*<testsuites name="moetrace"')
 
 
 def to_json(rep: Report) -> str:
@@ -30,8 +37,8 @@ def unusable_json(message: str) -> str:
     return json.dumps(doc, indent=2) + "\n"
 
 
-def unusable_markdown(message: str) -> str:
-    return f"# moetrace audit: UNUSABLE (exit {int(ExitCode.INCOMPLETE)})\n\n{message}\n"
+def unusable_markdown(message: str, command: str = "audit") -> str:
+    return f"# moetrace {command}: UNUSABLE (exit {int(ExitCode.INCOMPLETE)})\n\n{_md_escape(message)}\n"
 
 
 def unusable_junit(message: str) -> str:
@@ -159,18 +166,20 @@ def to_text(rep: Report, max_lines: int = 20, command: str = "analyze") -> str:
 
 
 def _md_escape(s: str) -> str:
-    return str(s).replace("|", "\\|")
+    """Text from the trace (run ids are folder names: anything) as Markdown shows it: HTML
+    never renders (a run id `<img src=x onerror=...>` stays text), a `|` never splits a cell."""
+    return str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
 
 
 def to_markdown(rep: Report) -> str:
     doc = rep.doc
     t = doc["totals"]
     out = [f"# moetrace analysis: {STATUS_WORD[doc['status']]}", ""]
-    out += [f"- {x}" for x in _head(doc)]
-    out += ["", f"**{t['sentence']}**", ""]
+    out += [f"- {_md_escape(x)}" for x in _head(doc)]
+    out += ["", f"**{_md_escape(t['sentence'])}**", ""]
     if doc["first_divergence"]:
         out += ["## First divergence", ""]
-        out += [f"- {f['sentence']}" for f in doc["first_divergence"]]
+        out += [f"- {_md_escape(f['sentence'])}" for f in doc["first_divergence"]]
         out.append("")
     out += ["## Verdicts", "", "| verdict | count |", "|---|---:|"]
     out += [f"| {k} | {fmt_int(v)} |" for k, v in t["by_verdict"].items() if v]
@@ -183,22 +192,23 @@ def to_markdown(rep: Report) -> str:
         for s in grouped_summaries(doc):
             step = steps_text(s["steps"]).split(" ", 1)[1]
             layer = s["layer"] if s["model"] == "target" else f"{s['model']} {s['layer']}"
-            out.append(f"| {_md_escape(s['run_id'])} | {step} | {layer} | {s['rank']} | {s['source']} | "
-                       f"{s['tensor']} | {_md_escape(s['finding'])} |")
+            out.append(f"| {_md_escape(s['run_id'])} | {step} | {_md_escape(layer)} | {_md_escape(s['rank'])} | "
+                       f"{s['source']} | {_md_escape(s['tensor'])} | {_md_escape(s['finding'])} |")
         out.append("")
     missing = grouped_missing_loads(doc)
     if missing:
         out += ["## Loads not captured on every rank", ""] + [f"- {_md_escape(x)}" for x in missing] + [""]
-    out += ["## Coverage", "", _coverage_line(doc), ""]
+    out += ["## Coverage", "", _md_escape(_coverage_line(doc)), ""]
     out += ["| run | rank | finished | rows written | rows read | dropped | hook errors | parts |",
             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in doc["runs"]:
         for m in r["manifests"]:
-            out.append(f"| {_md_escape(r['run_id'])} | {m['rank']} | {'yes' if m['finished'] else '**no**'} | "
+            done = "yes" if m["finished"] else "**no**"
+            out.append(f"| {_md_escape(r['run_id'])} | {_md_escape(m['rank'])} | {done} | "
                        f"{fmt_int(m['rows_written'])} | {fmt_int(m['rows_read'])} | {fmt_int(m['rows_dropped'])} | "
                        f"{fmt_int(m['hook_errors'])} | {m['parts']} |")
         for rk in r["ranks_missing"]:
-            out.append(f"| {_md_escape(r['run_id'])} | {rk} | **missing** | | | | | |")
+            out.append(f"| {_md_escape(r['run_id'])} | {_md_escape(rk)} | **missing** | | | | | |")
     out.append("")
     if doc["warnings"]:
         out += ["## Warnings", ""] + [f"- {_md_escape(x)}" for x in doc["warnings"]] + [""]

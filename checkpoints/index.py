@@ -29,13 +29,15 @@ from moetrace.errors import MoetraceError
 from moetrace.schema import INDEX_SCHEMA_VERSION
 
 INDEX_META_KEY = b"moetrace.index"
+# an index at an output path is recognized by its metadata: -o replaces only an index
+INDEX_FILE = outputs.parquet_metadata("a moetrace index", INDEX_META_KEY)
 
 
 def write_index(table: pa.Table, path: str | os.PathLike, option: str = "-o") -> Path:
     """Atomic write (outputs.write_local): a temp file beside the target, renamed when
-    complete; a FIFO, device or link at the path is refused, never replaced."""
+    complete; a FIFO, device, link or any file but an index at the path is refused, never replaced."""
     outputs.write_local(os.fspath(path), option, lambda tmp: pq.write_table(table, tmp, compression="zstd"),
-                        make_parents=True)
+                        ours=INDEX_FILE, make_parents=True)
     return Path(path)
 
 
@@ -117,7 +119,8 @@ def copy_index(src: Path, dst: str | os.PathLike, option: str = "-o", meta: dict
     """A copy of the index at `src`; `meta`: metadata keys the copy says otherwise (the
     checkpoint folder asked for now, where a cached index came from)."""
     if not meta:
-        outputs.write_local(os.fspath(dst), option, lambda tmp: shutil.copyfile(src, tmp), make_parents=True)
+        outputs.write_local(os.fspath(dst), option, lambda tmp: shutil.copyfile(src, tmp), ours=INDEX_FILE,
+                            make_parents=True)
         return Path(dst)
     table = pq.read_table(src)
     merged = {**json.loads(table.schema.metadata[INDEX_META_KEY]), **meta}

@@ -28,7 +28,7 @@ from moetrace import fingerprint as fpdef
 from moetrace.checkpoints import index_cache
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
-from moetrace.checkpoints.reader import Checkpoint, as_slice, draft_checkpoint, open_checkpoint
+from moetrace.checkpoints.reader import Checkpoint, as_slice, draft_checkpoint, open_checkpoint, weight_files
 from moetrace.checkpoints.safetensors_file import host_copy
 from moetrace.checkpoints.spec import MoESpec
 from moetrace.errors import MoetraceError
@@ -268,8 +268,10 @@ def _writable_cache() -> Path:
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
+        # analyze/audit have no --no-cache: the way round the cache is an index built without it
         raise MoetraceError(f"MOETRACE_CACHE {path}: cannot write the index cache there ({err.strerror or err}); "
-                            "set MOETRACE_CACHE to a writable folder or pass --no-cache") from None
+                            "set MOETRACE_CACHE to a writable folder, or build the index without it: moetrace index "
+                            "CKPT --tp N --no-cache -o FILE (analyze and audit then take --index FILE)") from None
     return path
 
 
@@ -280,7 +282,7 @@ def cache_key(checkpoint: str | os.PathLike, opts: IndexOptions, identity: str |
         identity = open_checkpoint(checkpoint).identity
     h = hashlib.sha256(identity.encode())
     root = Path(checkpoint)
-    for f in sorted(root.glob("*.safetensors")) + [root / "config.json"]:
+    for f in weight_files(root) + [root / "config.json"]:  # what a server loads: never a leftover or hidden file
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     h.update(json.dumps(asdict(opts), sort_keys=True).encode())
@@ -317,6 +319,7 @@ def cached_index(
             differs = str(err)
         if differs is None:
             return path, True
+        _writable_cache()  # the stale entry is replaced: a read-only cache is one line, never a raw OSError
         path.unlink(missing_ok=True)
     table = build_index(checkpoint, tp_size, ep_size, resolved, layout, device, progress, stats, moe_dp_size)
     write_index(table, path, "MOETRACE_CACHE")

@@ -25,14 +25,13 @@ import hashlib
 import os
 import random
 import struct
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyarrow.compute as pc
 
 from moetrace import fingerprint as fpdef
 from moetrace.checkpoints.index import read_index
-from moetrace.checkpoints.reader import Checkpoint, draft_checkpoint
+from moetrace.checkpoints.reader import Checkpoint, draft_checkpoint, weight_files
 from moetrace.errors import MoetraceError
 
 if TYPE_CHECKING:  # the shard cutter (and torch) load only when a hit is proved
@@ -44,9 +43,11 @@ _COLUMNS = ["model", "moe_tp_rank", "layer", "expert", "tensor", "nbytes", "chun
 
 
 def headers_digest(checkpoint: str | os.PathLike) -> str:
-    """sha256 of every safetensors file's name and raw header bytes, in name order."""
+    """sha256 of the name and raw header bytes of every safetensors file a server loads
+    (reader.weight_files: a hidden download temp file or an unlisted leftover is none), in
+    name order."""
     h = hashlib.sha256()
-    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+    for f in weight_files(checkpoint):
         try:
             with open(f, "rb") as fh:
                 (n,) = struct.unpack("<Q", fh.read(8))

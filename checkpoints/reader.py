@@ -238,10 +238,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
     index = root / INDEX_NAME
     if index.exists():
-        data, _ = _read_json(index, INDEX_NAME)
-        weight_map = data.get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise MoetraceError(f"{index}: 'weight_map' must be an object of tensor name -> file name")
+        weight_map = _weight_map(index)
         files = sorted(set(weight_map.values()))
         weight_map_file = index.name
     elif (root / SINGLE_NAME).exists():
@@ -284,17 +281,49 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return ckpt
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    data, _ = _read_json(index, INDEX_NAME)
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise MoetraceError(f"{index}: 'weight_map' must be an object of tensor name -> file name")
+    return weight_map
+
+
+# Beside model.safetensors and no index, SGLang and the fork skip this one file
+# (model_loader/weight_utils.py filter_duplicate_safetensors_files: Mistral's layout).
+CONSOLIDATED_NAME = "consolidated.safetensors"
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files a server loads from the checkpoint folder ``path``, chosen as
+    SGLang 0.5.23 and the fork choose them (model_loader/loader.py ``_prepare_weights``:
+    ``glob("*.safetensors")``, which never matches a hidden file, then
+    weight_utils.py ``filter_duplicate_safetensors_files``): with model.safetensors.index.json,
+    exactly the files its weight_map names, whatever else lies beside them (a leftover
+    consolidated.safetensors or adapter_model.safetensors is never loaded); without one,
+    every visible ``*.safetensors``, except consolidated.safetensors beside model.safetensors."""
+    root = Path(path)
+    index = root / INDEX_NAME
+    if index.exists():
+        return [root / f for f in sorted(set(_weight_map(index).values()))]
+    found = sorted(p.name for p in root.glob("*.safetensors") if not p.name.startswith("."))
+    if found == [CONSOLIDATED_NAME, SINGLE_NAME]:
+        found = [SINGLE_NAME]
+    return [root / f for f in found]
+
+
 def _unambiguous_headers(root: Path, files: list[str], weight_map_file: str) -> dict[str, dict[str, TensorInfo]]:
     """The headers of every file `weight_map_file` lists, after checking that which files make the
-    checkpoint, and which file holds each tensor, is unambiguous: a .safetensors file that
-    nothing lists, or one tensor name in two files, is an error naming both files."""
-    listed = set(files)
-    for path in sorted(root.glob("*.safetensors")):
-        if path.name not in listed and not path.name.startswith("."):
-            what = (f"{weight_map_file} does not list it" if weight_map_file == INDEX_NAME
-                    else f"there is no {INDEX_NAME} to say whether it belongs with {SINGLE_NAME}")
-            raise MoetraceError(f"{path}: a safetensors file beside {root / files[0]}, and {what}; which files make "
-                                "the checkpoint is ambiguous (remove it, or list it in the index)")
+    checkpoint, and which file holds each tensor, is unambiguous: without an index, another
+    .safetensors file the server would load beside model.safetensors (weight_files), or with
+    one, one tensor name in two listed files, is an error naming both files."""
+    if weight_map_file == SINGLE_NAME:
+        for path in weight_files(root):
+            if path.name != SINGLE_NAME:
+                raise MoetraceError(f"{path}: a safetensors file beside {root / SINGLE_NAME}, and there is no "
+                                    f"{INDEX_NAME} to say whether it belongs with {SINGLE_NAME} (a server loads "
+                                    "both); which files make the checkpoint is ambiguous (remove it, or add the "
+                                    "index)")
     headers, holder = {}, {}
     for fname in files:
         fpath = root / fname

@@ -315,16 +315,18 @@ def _write_files(out: Path, cfg: dict, tensors: dict[str, torch.Tensor], num_fil
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if num_files == 1:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        outputs.plain_mode(str(out / "model.safetensors"))  # save_file makes 0600
         return
     files = [f"model-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
     weight_map = {name: files[(i + i // 5) % num_files] for i, name in enumerate(tensors)}
     empty = len(files) - len(set(weight_map.values()))
-    if empty:  # a file no tensor is listed in: `moetrace index` refuses such a checkpoint as ambiguous
+    if empty:  # a file no tensor is listed in: no server would load it
         raise MoetraceError(f"--files {num_files}: the checkpoint's {len(tensors)} tensors would leave {empty} "
                             "file(s) empty; give fewer files")
     for fname in files:
         part = {n: t for n, t in tensors.items() if weight_map[n] == fname}
         save_file(part, str(out / fname), metadata={"format": "pt"})
+        outputs.plain_mode(str(out / fname))
     index = {
         "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
         "weight_map": dict(sorted(weight_map.items())),

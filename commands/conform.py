@@ -50,10 +50,10 @@ def conform_cmd(fork_path, fmt, tp, experts, schedule, patch_fence, writer, work
     holds wrong bytes; 0: every rank holds its shard; 2: it could not run.
     """
     from moetrace.errors import MoetraceError
-    from moetrace.jobs.conform import Case, conform_main
+    from moetrace.jobs.conform import CONFORM_JSON, Case, conform_main
     from moetrace.outputs import check_output_files, check_writable_dir
 
-    check_output_files([("--json-out", json_out)])
+    check_output_files([("--json-out", json_out, CONFORM_JSON)])
     if releases is not None:
         from moetrace.jobs.conform_releases import releases_main
 

@@ -13,7 +13,8 @@ EXAMPLES = ("moetrace demo --workdir /tmp/moetrace-demo",)
 
 @command("demo", EXAMPLES)
 @click.option("--workdir", type=click.Path(file_okay=False), default="demo-out", show_default=True,
-              help="Where the checkpoint, index, traces, reports and plots go.")
+              help="Where the checkpoint, index, traces, reports and plots go: a new or empty folder, or one an "
+                   "earlier demo made (its .moetrace-demo mark).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Run the emulated server's copies on this device.")
 @click.option("--quick", is_flag=True, help="Smaller checkpoint (8 experts, H 256).")

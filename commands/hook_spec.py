@@ -31,7 +31,9 @@ def hook_spec_cmd(capture, server, pretty):
     import json
 
     from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec
+    from moetrace.outputs import check_output
 
     config, targets = capture.to_config()
+    check_output(config["out"], "--out", kind="dir")  # as launch: never a trace written through a link
     spec = hook_spec(config, targets or DEFAULT_TARGETS)
     click.echo(json.dumps(spec[0]["config"] if server == "vllm" else spec, indent=2 if pretty else None))

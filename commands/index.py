@@ -40,9 +40,12 @@ def index_cmd(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layou
     import contextlib
     import json
 
+    from moetrace.checkpoints.index import INDEX_FILE
     from moetrace.checkpoints.model_config import no_cache as config_cache_off
+    from moetrace.outputs import probe_output
 
     out = _one_out(out, old_out)
+    probe_output(out, "-o", INDEX_FILE)  # -o replaces only an index: never a checkpoint's weight map or shard
     with config_cache_off() if no_cache else contextlib.nullcontext():  # neither the index cache nor the config cache
         summary = _index(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layout_from, device, out,
                          not no_cache, as_json)

@@ -180,8 +180,7 @@ def _analysis(given: dict):
 
     set_remote_timeout(given["remote_timeout"])
     reports = ReportFiles(given["json_out"], given["markdown"], given["junit"], given["plot"])
-    check_output_files([("--json-out", reports.json_out), ("--markdown", reports.markdown),
-                        ("--junit", reports.junit), ("--plot", reports.plot)], probe=False)
+    check_output_files(reports.outputs(), probe=False)
     return AnalysisOptions(trace=tuple(given["trace"]), index=given["index_path"], checkpoint=given["checkpoint"],
                            as_json=given["as_json"], reports=reports, max_lines=given["max_lines"],
                            max_rows=given["max_rows"])

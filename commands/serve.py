@@ -58,7 +58,7 @@ def serve_cmd(checkpoint, model_path, tp, fence, slow_rank, host, port, chunk_to
     """
     from moetrace.emulator.config import as_config
     from moetrace.emulator.forward_hooks import parse_forward_hooks
-    from moetrace.emulator.launcher import serve
+    from moetrace.emulator.launcher import READY_FILE, serve
     from moetrace.errors import MoetraceError
     from moetrace.outputs import check_output_files
 
@@ -66,7 +66,7 @@ def serve_cmd(checkpoint, model_path, tp, fence, slow_rank, host, port, chunk_to
     if not path:
         raise MoetraceError("serve: give the checkpoint directory (CHECKPOINT or --model-path)")
     cuda_or_refuse(device)
-    check_output_files([("--ready-file", ready_file)])
+    check_output_files([("--ready-file", ready_file, READY_FILE)])
     cfg = as_config(path, tp=tp, fence=fence, slow_rank=None if slow_rank < 0 else slow_rank, host=host, port=port,
                     chunk_tokens=chunk_tokens, prefill_threshold=prefill_threshold, device=device, seed=seed,
                     forward_hooks=parse_forward_hooks(forward_hooks), op_timeout_s=op_timeout)

@@ -24,11 +24,16 @@ import threading
 import time
 from typing import Callable
 
+from moetrace import outputs
 from moetrace.emulator import shm
 from moetrace.emulator.config import EmulatorConfig
 from moetrace.emulator.rank import RankJob, rank_main
 from moetrace.emulator.weights import weights_dims
 from moetrace.errors import MoetraceError
+
+# --ready-file replaces only an earlier server's ready file (its own fields)
+READY_FILE = outputs.json_document("a moetrace serve ready file",
+                                   lambda doc: {"url", "port", "rank_pids", "shm_prefix"} <= doc.keys())
 
 
 class EmulatorError(MoetraceError):
@@ -296,10 +301,7 @@ def serve(config: EmulatorConfig, echo: Callable[[str], None] = print, ready_fil
         info = {"url": handle.url, "port": handle.port, "pid": os.getpid(), "rank_pids": handle.pids,
                 "shm_prefix": handle.shm_prefix, "tp": config.tp, "fence": config.fence}
         if ready_file:
-            tmp = ready_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(info, f)
-            os.replace(tmp, ready_file)
+            outputs.write_local_text(ready_file, "--ready-file", json.dumps(info), ours=READY_FILE)
         echo(f"moetrace serve: listening on {handle.url} (tp={config.tp}, fence={config.fence}, "
              f"slow_rank={config.slow_rank}, pid {os.getpid()})")
         rc = None

@@ -24,6 +24,12 @@ def dims_from_checkpoint(ckpt) -> ModelDims:
     if spec.fmt != "fp8_block":
         raise MoetraceError(f"{ckpt.path}: the emulator stages FP8 block checkpoints (fp8_block), this one is "
                             f"{spec.fmt}")
+    if spec.scale_suffix != "weight_scale_inv":
+        # the fork's FP8 block path stages w13_weight_scale_inv; a FusedMoE of compressed-tensors
+        # block scales holds w13_weight_scale, which the fork takes for per-channel FP8
+        raise MoetraceError(f"{ckpt.path}: the emulator stages FP8 block checkpoints of the fp8 method (scales "
+                            f"*.weight_scale_inv), this one is {spec.quant_method} (scales *.{spec.scale_suffix}); "
+                            "make one with `moetrace make-checkpoint --quant-method fp8`")
     top_k = int(_text_config(ckpt.config).get("num_experts_per_tok", 8) or 8)
     return ModelDims(
         num_layers=spec.num_layers,

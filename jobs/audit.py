@@ -5,14 +5,13 @@ hooks and drives traffic (jobs.traffic). The CLI only parses options into these 
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from moetrace import outputs
 from moetrace.analysis import render
-from moetrace.analysis.plot import missing_plotter, plot_format, plot_unusable
+from moetrace.analysis.plot import PLOT_FILE, missing_plotter, plot_format, plot_unusable
 from moetrace.analysis.plot import plot as make_plot
 from moetrace.analysis.report import Report, analyze
 from moetrace.checkpoints.index import index_metadata
@@ -26,6 +25,10 @@ from moetrace.servers.command import expected_tp, model_path_of_command
 from moetrace.tracer import index_fit
 from moetrace.tracer.sampling import Sampling
 
+# What each report option writes, recognized by content (outputs.Ours)
+REPORT_KINDS = {"--json-out": ("json", render.JSON_REPORT), "--markdown": ("markdown", render.MARKDOWN_REPORT),
+                "--junit": ("junit", render.JUNIT_REPORT), "--plot": ("plot", PLOT_FILE)}
+
 
 @dataclass(frozen=True)
 class ReportFiles:
@@ -38,65 +41,68 @@ class ReportFiles:
 
     def options(self) -> list[tuple[str, str]]:
         return [(o, p) for o, p in (("--json-out", self.json_out), ("--markdown", self.markdown),
-                                    ("--junit", self.junit), ("--plot", self.plot)) if p]
+                                    ("--junit", self.junit), ("--plot", self.plot)) if p is not None]
 
-    def check(self) -> None:
-        """Before any work: a bad --plot name, a --plot without matplotlib, or a report
-        path that is a FIFO, a device or a link, is refused in one line (exit 2)."""
+    def outputs(self) -> list[tuple[str, str, outputs.Ours]]:
+        """(option, path, what it writes) of every report asked for."""
+        return [(o, p, REPORT_KINDS[o][1]) for o, p in self.options()]
+
+    def check(self, probe: bool = False) -> None:
+        """Before any work: a bad --plot name, a --plot without matplotlib, a report path
+        that is a FIFO, a device, a link or a file moetrace did not write, is refused in
+        one line (exit 2). ``probe`` (before a launch): each report's folder is made and
+        takes a temp file, so an unwritable one fails before the server starts."""
         if self.plot:
             plot_format(self.plot)
             missing = missing_plotter()
             if missing:
                 raise MoetraceError(f"--plot {self.plot}: {missing}; or drop --plot")
-        for option, path in self.options():
-            outputs.check_output(path, option)
+        outputs.check_output_files(self.outputs(), probe=probe)
 
-    def write_unusable(self, message: str) -> list[str]:
+    def write_unusable(self, message: str, command: str = "audit") -> list[str]:
         """Reports for a trace that could not be analyzed at all (the plot: the reason in
         words); returns the errors of those that could not be written (the one-line error
         about the trace comes first). All or none, as write()."""
         return self._write_all([
-            ("--json-out", self.json_out, "json",
-             lambda p: outputs.write_local_text(p, "--json-out", render.unusable_json(message))),
-            ("--markdown", self.markdown, "markdown",
-             lambda p: outputs.write_local_text(p, "--markdown", render.unusable_markdown(message))),
-            ("--junit", self.junit, "junit",
-             lambda p: outputs.write_local_text(p, "--junit", render.unusable_junit(message))),
-            ("--plot", self.plot, "plot", lambda p: plot_unusable(message, p)),
+            ("--json-out", self.json_out, lambda p: render.unusable_json(message)),
+            ("--markdown", self.markdown, lambda p: render.unusable_markdown(message, command)),
+            ("--junit", self.junit, lambda p: render.unusable_junit(message)),
+            ("--plot", self.plot, lambda p: plot_unusable(message, p, command)),
         ])[1]
 
     def write(self, rep: Report) -> tuple[list[str], list[str]]:
         """Write every requested report; returns ("kind: path" written, one-line errors).
         All or none: when one cannot be written, those this run wrote are removed again,
-        so no report at those paths (this run's or an earlier run's) survives to be taken
-        for this run's verdict."""
+        and so is an earlier moetrace report at the other paths, so none survives to be
+        taken for this run's verdict (a file moetrace did not write is never removed)."""
         return self._write_all([
-            ("--json-out", self.json_out, "json",
-             lambda p: outputs.write_local_text(p, "--json-out", render.to_json(rep))),
-            ("--markdown", self.markdown, "markdown",
-             lambda p: outputs.write_local_text(p, "--markdown", render.to_markdown(rep))),
-            ("--junit", self.junit, "junit", lambda p: outputs.write_local_text(p, "--junit", render.to_junit(rep))),
-            ("--plot", self.plot, "plot", lambda p: make_plot(rep, p)),
+            ("--json-out", self.json_out, lambda p: render.to_json(rep)),
+            ("--markdown", self.markdown, lambda p: render.to_markdown(rep)),
+            ("--junit", self.junit, lambda p: render.to_junit(rep)),
+            ("--plot", self.plot, lambda p: make_plot(rep, p)),
         ])
 
     @staticmethod
     def _write_all(items) -> tuple[list[str], list[str]]:
-        items = [(o, p, k, w) for o, p, k, w in items if p]
+        """items: (option, path, text of the report, or for --plot the writer itself)."""
+        items = [(o, p, w) for o, p, w in items if p]
         written, failed = [], []
-        for _, path, kind, write in items:
-            try:
-                write(path)  # each file whole or not at all (a temp file renamed over the path)
+        for option, path, make in items:
+            kind, ours = REPORT_KINDS[option]
+            try:  # each file whole or not at all (a temp file renamed over the path), its folder made
+                if option == "--plot":
+                    make(path)
+                else:
+                    outputs.write_local_text(path, option, make(path), ours=ours, make_parents=True)
                 written.append(f"{kind}: {path}")
             except MoetraceError as err:
                 failed.append(str(err))
         if failed:
-            for option, path, _, _ in items:
-                local = outputs.local_path(path)
-                if local is not None and os.path.isfile(local) and not os.path.islink(local):
-                    with contextlib.suppress(OSError):
-                        os.unlink(local)
-            failed.append("no report written: " + ", ".join(f"{o} {p}" for o, p, _, _ in items)
-                          + " left absent, so that none is taken for this run's")
+            for option, path, _ in items:
+                outputs.remove_ours(path, REPORT_KINDS[option][1])
+            failed.append("no report written: " + ", ".join(f"{o} {p}" for o, p, _ in items)
+                          + " left without a report of this run (an earlier moetrace report there removed), so "
+                          "that none is taken for this run's")
             written = []
         return written, failed
 
@@ -140,7 +146,7 @@ def run_analysis(command: str, opts: AnalysisOptions, echo: Callable[[str], None
         with (live or Progress.off()).step(f"{command}: reading the trace and judging every tensor"):
             rep = analyze(list(opts.trace), index=opts.index, checkpoint=opts.checkpoint, max_rows=opts.max_rows)
     except MoetraceError as err:  # the report files say so too: none is left from an earlier run
-        for line in opts.reports.write_unusable(str(err)):
+        for line in opts.reports.write_unusable(str(err), command):
             warn(f"moetrace: error: {line}")
         raise
     if extra_doc:
@@ -176,7 +182,7 @@ def run_audit(opts: AnalysisOptions, launch: LaunchOptions | None, echo: Callabl
             raise MoetraceError("audit: give either TRACE folders or --launch, not both")
         if not (opts.index or opts.checkpoint):
             raise MoetraceError("audit --launch: give --index FILE or --checkpoint CKPT to compare against")
-        opts.reports.check()  # before the server starts
+        opts.reports.check(probe=True)  # before the server starts: a report folder made, or refused now
         launch = _planned(launch, opts, progress)
         run_dir, traffic_problem, launch_doc = _launch(launch, opts, progress, live)
         opts = AnalysisOptions(**{**opts.__dict__, "trace": (run_dir,)})

@@ -22,9 +22,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
+from moetrace import outputs
 from moetrace.errors import ExitCode, MoetraceError
 from moetrace.jobs.conform_plan import Case, Plan, check_case, plan_case
 from moetrace.jobs.conform_ranks import group_of, run_group, work_folder
+
+# --json-out replaces only a conform document (one case's or the releases table's)
+CONFORM_JSON = outputs.json_document("a moetrace conform result",
+                                     lambda doc: str(doc.get("schema", "")).startswith("moetrace.conform"))
 
 
 @dataclass
@@ -178,12 +183,11 @@ def result_lines(doc: dict) -> list[str]:
 def write_doc(json_out: str | None, doc: dict, exit_code: int, echo: Callable[[str], None]) -> int:
     """Write --json-out whole or not at all; a report that cannot be written turns a pass
     into 3 and leaves another exit code as it was (the line says why)."""
-    from moetrace.outputs import write_local_text
-
     if not json_out:
         return exit_code
     try:
-        write_local_text(json_out, "--json-out", json.dumps(doc, indent=1) + "\n")
+        outputs.write_local_text(json_out, "--json-out", json.dumps(doc, indent=1) + "\n", ours=CONFORM_JSON,
+                                 make_parents=True)
     except MoetraceError as err:
         echo(f"moetrace: error: {err}")
         return ExitCode.REPORT_UNWRITTEN if exit_code == ExitCode.PASS else exit_code
@@ -194,10 +198,8 @@ def conform_main(case: Case, tp: int, workdir: str | None, json_out: str | None,
                  echo: Callable[[str], None] = print) -> int:
     """The command's body: check --json-out, run, print, write --json-out (for every
     exit code), return the exit code; exit 2 ends with the one-line error."""
-    from moetrace.outputs import probe_output
-
     if json_out:
-        probe_output(json_out, "--json-out")
+        outputs.probe_output(json_out, "--json-out", CONFORM_JSON)
     (res,) = run_conform([case], tp=tp, workdir=workdir)
     doc = result_doc(res)
     code = write_doc(json_out, doc, res.exit_code, echo)

@@ -18,9 +18,11 @@ from pathlib import Path
 
 from moetrace.errors import MoetraceError
 from moetrace.jobs.conform_plan import FORMATS, Plan
+from moetrace.outputs import marked_folder
 
 HIDDEN, BLOCK = 256, 128  # per rank I_tp = one 128 block
 WORKDIR_MARK = ".moetrace-conform"
+MARK_TEXT = "moetrace conform work folder"
 ERROR_KINDS = {"layout": "unsupported fork layout", "refused": "refused", "timeout": "the schedule stalled",
                "crash": "the fork's code failed", "peer": "a rank lost its peer", "writer": "rank 0's writer failed"}
 
@@ -31,10 +33,10 @@ def work_folder(path: str | None) -> tuple[Path, bool]:
     if path is None:
         return Path(tempfile.mkdtemp(prefix="moetrace-conform-")), True
     p = Path(path)
-    if p.exists() and (not p.is_dir() or (any(p.iterdir()) and not (p / WORKDIR_MARK).exists())):
+    if p.exists() and (not p.is_dir() or (any(p.iterdir()) and not marked_folder(str(p), WORKDIR_MARK, MARK_TEXT))):
         raise MoetraceError(f"--workdir {p}: exists and is neither empty nor a previous conform --workdir")
     p.mkdir(parents=True, exist_ok=True)
-    (p / WORKDIR_MARK).write_text("moetrace conform work folder: checkpoints, indexes, traces, rank logs\n")
+    (p / WORKDIR_MARK).write_text(f"{MARK_TEXT}: checkpoints, indexes, traces, rank logs\n")
     return p, False
 
 

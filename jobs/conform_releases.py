@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from moetrace.errors import ExitCode
-from moetrace.jobs.conform import result_doc, run_conform, write_doc
+from moetrace.jobs.conform import CONFORM_JSON, result_doc, run_conform, write_doc
 from moetrace.jobs.conform_plan import FORMATS, Case
 
 RELEASES_SCHEMA, RELEASES_SCHEMA_VERSION = "moetrace.conform.releases", 1
@@ -68,7 +68,7 @@ def releases_main(spec: str, formats: Sequence[str] | None, tp: int, experts: in
     from moetrace.outputs import probe_output
 
     if json_out:
-        probe_output(json_out, "--json-out")
+        probe_output(json_out, "--json-out", CONFORM_JSON)
     formats = tuple(formats or FORMATS)
     available = releases.index_versions(releases.FORK)
     kernels = releases.index_versions(releases.KERNEL)

@@ -21,11 +21,15 @@ from typing import Iterator
 from moetrace.analysis.sentences import guard_sentence
 from moetrace.errors import ExitCode, MoetraceError
 from moetrace.jobs.progress import Progress
+from moetrace.outputs import marked_folder
 
 RUNS = (("unfenced", "none"), ("fenced", "all"))
-# A work folder the demo made holds this file (and its lock); everything in OUTPUTS is
-# the demo's own, replaced by the next run.
+# A work folder the demo made holds this file (and its lock), starting with MARK_TEXT;
+# everything in OUTPUTS there is the demo's own, replaced by the next run. A folder
+# without it is the demo's only when empty: the same names in a user's folder (a
+# README recipe's traces/, index.parquet, checkpoint/) are never taken for the demo's.
 MARK = ".moetrace-demo"
+MARK_TEXT = "moetrace demo work folder"
 OUTPUTS = ("checkpoint", "index.parquet", "traces", "reports", "logs")
 
 
@@ -55,16 +59,15 @@ def pair_requests(size: PairSize) -> list[dict]:
 @contextlib.contextmanager
 def fresh_workdir(workdir: Path) -> Iterator[Path]:
     """Hold ``workdir`` for one run, emptied of the earlier run's outputs. It must be new,
-    empty, or one the demo made (its MARK, or nothing but OUTPUTS in it); a folder
-    holding anything else is refused, as is one another demo is running in."""
-    if workdir.exists() and not workdir.is_dir():
-        raise MoetraceError(f"--workdir {workdir}: exists and is not a folder")
-    entries = set(os.listdir(workdir)) if workdir.exists() else set()
-    foreign = sorted(entries - set(OUTPUTS) - {MARK})
-    if foreign and MARK not in entries:
-        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise MoetraceError(f"--workdir {workdir}: holds {shown}, which moetrace demo did not write; give a new or "
-                            "empty folder, or the work folder of an earlier demo")
+    empty, or one the demo made (its MARK file, a regular file starting with MARK_TEXT);
+    any other folder is refused, as is one another demo is running in."""
+    if workdir.is_symlink() or (workdir.exists() and not workdir.is_dir()):
+        raise MoetraceError(f"--workdir {workdir}: exists and is not a folder (a link or a file)")
+    entries = sorted(os.listdir(workdir)) if workdir.exists() else []
+    if entries and not marked_folder(str(workdir), MARK, MARK_TEXT):
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise MoetraceError(f"--workdir {workdir}: holds {shown} and no {MARK} mark, so moetrace demo did not make "
+                            "it; give a new or empty folder, or the work folder of an earlier demo")
     workdir.mkdir(parents=True, exist_ok=True)
     with open(workdir / MARK, "a+") as lock:
         try:
@@ -73,7 +76,7 @@ def fresh_workdir(workdir: Path) -> Iterator[Path]:
             raise MoetraceError(f"--workdir {workdir}: another moetrace demo is running there") from None
         lock.seek(0)
         lock.truncate()
-        lock.write("moetrace demo work folder: checkpoint, index, traces, reports and rank logs of the last run\n")
+        lock.write(f"{MARK_TEXT}: checkpoint, index, traces, reports and rank logs of the last run\n")
         lock.flush()
         for name in OUTPUTS:
             path = workdir / name

@@ -31,6 +31,8 @@ import tempfile
 import time
 from typing import Callable, Sequence
 
+import pyarrow.fs as pafs
+
 from moetrace import outputs, storage
 from moetrace.errors import MoetraceError
 from moetrace.hooks.spec import DEFAULT_TARGETS, hook_spec, index_fits
@@ -47,7 +49,7 @@ from moetrace.servers.command import (
     server_distribution,
 )
 from moetrace.servers.process_group import ServerGroup
-from moetrace.tracer.claim import read_refusals
+from moetrace.tracer.claim import REFUSED_PREFIX, read_refusals
 from moetrace.tracer.completeness import common_value, expected_labels, expected_rank_count, run_problems
 from moetrace.tracer.config import check_metrics_ports
 from moetrace.tracer.manifest import RUN_MANIFEST_NAME, new_run_manifest, read_manifests, utc_now
@@ -203,6 +205,7 @@ class Launcher:
                     f"run folder {self.run_dir} already exists (run id {self.run_id!r} was used before, and its trace "
                     "would pass for this one's): pick another --run-id, or pass --replace to delete it first")
             if used:
+                self._check_replaceable()
                 storage.remove_tree(self.fs, self.run_dir)
                 self.echo(f"moetrace: --replace: deleted the earlier run folder {self.run_dir}")
             self._probe_flags()
@@ -212,6 +215,25 @@ class Launcher:
         except Exception as err:
             raise MoetraceError(f"--out {out}: cannot write {self.run_dir}/{RUN_MANIFEST_NAME} "
                                 f"({_first_line(err)})") from None
+
+    def _check_replaceable(self) -> None:
+        """--replace deletes a run folder only when everything in it is moetrace's: its
+        _run.json, rank folders, refusal records and their temp files; never through a
+        link, never a folder holding anything else."""
+        local = outputs.local_path(self.run_dir)
+        if local is not None and os.path.islink(local.rstrip("/")):
+            raise MoetraceError(f"--replace: run folder {self.run_dir} is a symbolic link; moetrace deletes only "
+                                "folders it wrote, never through a link")
+        for info in storage.list_dir(self.fs, self.run_dir):
+            name = info.base_name
+            ours = (name == RUN_MANIFEST_NAME or name.startswith((REFUSED_PREFIX, f".{RUN_MANIFEST_NAME}.tmp-"))
+                    or (name.startswith("rank=") and info.type == pafs.FileType.Directory))
+            if ours and local is not None and os.path.islink(os.path.join(local, name)):
+                ours = False
+            if not ours:
+                raise MoetraceError(f"--replace: run folder {self.run_dir} holds {name}, which moetrace did not "
+                                    "write; it deletes only its own run folders: move that away or pick another "
+                                    "--run-id")
 
     def _probe_flags(self) -> None:
         """--server-flags auto without the fork's distribution: the server command's own

@@ -89,7 +89,8 @@ def test_plot_failures_are_one_line_errors_naming_the_path(rep, tmp_path, monkey
     import matplotlib.pyplot as plt
     from matplotlib.figure import Figure
 
-    path = str(tmp_path / "no" / "such" / "folder" / "grid.png")
+    (tmp_path / "a-file").write_text("x")  # a missing folder is made; one under a file cannot be
+    path = str(tmp_path / "a-file" / "folder" / "grid.png")
     with pytest.raises(MoetraceError) as ei:
         plot(rep, path)
     msg = str(ei.value)

@@ -169,11 +169,16 @@ def ckpt(tmp_path_factory):
                                       intermediate=256)
 
 
+def _junit(tmp_path):
+    """A report folder that does not exist yet (a fresh CI checkout): made before the launch."""
+    return tmp_path / "build" / "reports" / "junit.xml"
+
+
 def _audit_launch(ckpt, tmp_path, server_args, *extra):
     port = _port()
     server = f"{sys.executable} -m moetrace.cli serve {ckpt} --tp 2 --port {port} {server_args}"
     cmd = [*CLI, "audit", "--launch", server, "--checkpoint", str(ckpt), "--requests", "1", "--prompt-tokens", "20",
-           "--out", str(tmp_path / "traces"), "--run-id", "nightly", "--junit", str(tmp_path / "j.xml"),
+           "--out", str(tmp_path / "traces"), "--run-id", "nightly", "--junit", str(_junit(tmp_path)),
            "--json-out", str(tmp_path / "a.json"), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
@@ -187,7 +192,7 @@ def test_audit_launch_unfenced_exits_1(ckpt, tmp_path):
     assert doc["audit_exit_code"] == 1
     launch = doc["launch"]  # the traffic that produced the trace travels with the verdict
     assert launch["requests_answered"] == 2 and launch["requests_failed"] == 0 and launch["server_exit_code"] == 0
-    assert "<failure" in (tmp_path / "j.xml").read_text()
+    assert "<failure" in _junit(tmp_path).read_text()  # the divergent run's JUnit, in the folder made for it
     run = json.loads((tmp_path / "traces" / "nightly" / "_run.json").read_text())
     assert run["complete"] and run["server_exit_code"] == 0
     assert _leaked(before) == []

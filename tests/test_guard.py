@@ -107,17 +107,17 @@ def test_staged_race_counted_scraped_and_traced(model, tmp_path, caplog):
         cap.detach()
     g = tr.sink.manifest()["guard"]
     s = scrape(g["metrics"]["port"])
-    mismatched = "moetrace:guard_tensors_mismatched_total"
+    mismatched = "moetrace_guard_tensors_mismatched_total"
     assert total(s, mismatched, layer=0, tensor="w2_weight_scale_inv", source="staged", tp_rank=0) == E - 2
     assert total(s, mismatched) == 2 * (E - 2)
-    assert total(s, "moetrace:guard_tensors_verified_total", verdict="match") == 2 * ALL - 2 * (E - 2)
-    assert total(s, "moetrace:guard_tensors_verified_total", verdict="mismatch") == 2 * (E - 2)
-    assert total(s, "moetrace:guard_loads_verified_total", source="staged", result="mismatch") == 2
-    assert total(s, "moetrace:guard_status", status="mismatch") == 1 and total(s, "moetrace:guard_status", status="ok") == 0
-    assert total(s, "moetrace:guard_pass_coverage", source="staged") == 1.0
-    assert total(s, "moetrace:guard_load_seconds_count", source="staged") == 2
-    assert total(s, "moetrace:guard_last_verified_timestamp_seconds") > 0
-    assert ("moetrace:hook_errors_total", (("tp_rank", "0"),)) in s and total(s, "moetrace:hook_errors_total") == 0
+    assert total(s, "moetrace_guard_tensors_verified_total", verdict="match") == 2 * ALL - 2 * (E - 2)
+    assert total(s, "moetrace_guard_tensors_verified_total", verdict="mismatch") == 2 * (E - 2)
+    assert total(s, "moetrace_guard_loads_verified_total", source="staged", result="mismatch") == 2
+    assert total(s, "moetrace_guard_status", status="mismatch") == 1 and total(s, "moetrace_guard_status", status="ok") == 0
+    assert total(s, "moetrace_guard_pass_coverage", source="staged") == 1.0
+    assert total(s, "moetrace_guard_load_seconds_count", source="staged") == 2
+    assert total(s, "moetrace_guard_last_verified_timestamp_seconds") > 0
+    assert ("moetrace_hook_errors_total", (("tp_rank", "0"),)) in s and total(s, "moetrace_hook_errors_total") == 0
     assert len([r for r in caplog.records if r.getMessage().endswith("(ALERT)")]) == 2
     assert g["loads"] == {"ok": 0, "mismatch": 2, "unverified": 0} and g["coverage"] == {"staged": 1.0}
     assert tr.close()
@@ -162,10 +162,10 @@ def test_unreadable_index_is_unverified_never_ok(model, tmp_path, caplog):
     g = tr.sink.manifest()["guard"]
     assert g["status"] == "unverified" and g["tensors"]["match"] == 0 and g["tensors"]["unverified"] == ALL
     s = scrape(g["metrics"]["port"])
-    assert total(s, "moetrace:guard_status", status="unverified") == 1
-    assert total(s, "moetrace:guard_status", status="ok") == 0
-    assert total(s, "moetrace:guard_tensors_unverified_total") == ALL
-    assert total(s, "moetrace:guard_tensors_verified_total") == 0
+    assert total(s, "moetrace_guard_status", status="unverified") == 1
+    assert total(s, "moetrace_guard_status", status="ok") == 0
+    assert total(s, "moetrace_guard_tensors_unverified_total") == ALL
+    assert total(s, "moetrace_guard_tensors_verified_total") == 0
     tr.close()
     problems = rank_problems(read_manifests(str(tmp_path), "g")["0"])
     assert any(p.startswith("guard could not verify (index unreadable") for p in problems), problems
@@ -234,10 +234,10 @@ def test_weight_updates_reverify_or_report_unverified(model, tmp_path, monkeypat
         assert g["tensors"] == {"match": 4 * ALL, "mismatch": 2 * ALL, "unverified": 2 * ALL, "reused": 0}
         assert g["status"] == "unverified" and "update_weights_from_tensor" in g["status_reason"]
         s = scrape(g["metrics"]["port"])
-        updates = "moetrace:guard_weight_updates_total"
+        updates = "moetrace_guard_weight_updates_total"
         assert total(s, updates, entry="update_weights_from_disk", result="reverified") == 2
         assert total(s, updates, entry="update_weights_from_tensor", result="unverified") == 1
-        assert total(s, "moetrace:guard_status", status="unverified") == 1
+        assert total(s, "moetrace_guard_status", status="unverified") == 1
         updater.update_weights_from_disk(model.a, "auto")  # the serving checkpoint again: its own index
         forward_pass()
         g = guard()

@@ -74,5 +74,5 @@ def test_fail_closed_in_sglangs_scheduler_kills_the_server_before_a_token(make_c
     assert manifest["guard"]["failed_closed"]["layer"] == 0 and manifest["guard"]["metrics"]["exporter"] == "sglang"
     m = _metrics(tmp_path / "prom")
     labels = (("layer", "0"), ("source", "staged"), ("tensor", "w2_weight_scale_inv"), ("tp_rank", "0"))
-    assert m[("moetrace:guard_tensors_mismatched_total", labels)] == 6
-    assert m[("moetrace:guard_status", (("status", "mismatch"), ("tp_rank", "0")))] == 1
+    assert m[("moetrace_guard_tensors_mismatched_total", labels)] == 6
+    assert m[("moetrace_guard_status", (("status", "mismatch"), ("tp_rank", "0")))] == 1

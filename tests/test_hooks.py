@@ -172,6 +172,10 @@ def test_swapped_expert_slice_is_recorded_and_dumped(make_ckpt, index, tmp_path)
     with safe_open(tmp_path / "swap" / "rank=0" / m["dumps"]["files"][0], "pt") as f:
         assert torch.equal(f.get_tensor("w2_weight_scale_inv"), w[5])
         assert f.metadata()["expected_digest"] == want[(0, 1, 3, "w2_weight_scale_inv")].hex()
+    import pandas as pd  # docs/reference.md's call: a run folder with dumps reads as a plain dataset
+
+    df = pd.read_parquet(tmp_path / "swap")
+    assert len(df) == len(t) and sorted(df["rank"].astype(str).unique()) == ["0"]
 
 
 # ----------------------------------------------------------------- TP2 over gloo, two processes

@@ -106,11 +106,11 @@ def test_output_options_refuse_what_is_not_a_regular_file(option, kind, small_mo
 # ---------------------------------------------------------------- 5. exit codes
 
 
-def test_a_report_that_cannot_be_written_does_not_hide_the_verdict(runs, small_index, tmp_path):
+def test_a_report_that_cannot_be_written_does_not_hide_the_verdict(runs, small_index, tmp_path, unwritable):
     """All of a run's reports or none: the report that could be written is removed again,
     with the earlier run's report at that path, so none is taken for this run's."""
-    json_out, junit = tmp_path / "audit.json", tmp_path / "no-such-folder" / "junit.xml"
-    json_out.write_text('{"status": "an earlier run"}')
+    json_out, junit = tmp_path / "audit.json", unwritable / "junit.xml"
+    json_out.write_text('{"schema": "moetrace.analysis", "status": "an earlier run"}')
     r = cli("audit", runs / "good", "--index", small_index, "--json-out", json_out, "--junit", junit)
     assert r.exit_code == 3 and "ALL MATCH" in r.output and "audit: exit 3 (pass, but a report was not written)" in r.output
     assert f"moetrace: error: --junit {junit}: cannot write" in r.output and "no report written" in r.output

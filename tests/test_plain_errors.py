@@ -95,7 +95,7 @@ def test_report_paths(small_model, small_index, tmp_path, afile):
     plain(cli("audit", run, "--index", small_index, "--json-out", same, "--markdown", same), "--markdown",
           "--json-out")
     assert not same.exists()
-    r = cli("audit", run, "--index", small_index, "--junit", tmp_path / "none" / "j.xml")  # verdict, then exit 3
+    r = cli("audit", run, "--index", small_index, "--junit", afile / "j.xml")  # verdict, then exit 3
     assert r.exit_code == 3 and "ALL MATCH" in r.output and "bug" not in r.output, r.output
     r = cli("audit", run, "--index", small_index, "--json-out", tmp_path / "a.json", "--markdown", tmp_path / "a.md")
     assert r.exit_code == 0 and (tmp_path / "a.json").exists() and (tmp_path / "a.md").exists(), r.output

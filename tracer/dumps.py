@@ -1,7 +1,10 @@
 """Forensic dumps: a mismatching tensor's bytes as safetensors, capped by the sink.
 
-``OUT/<run_id>/rank=<r>/dumps/step<S>-L<L>-E<E>-<tensor>-<source>-seq<N>.safetensors``,
-with the captured and expected digests in its metadata.
+``OUT/<run_id>/rank=<r>/_dumps/step<S>-L<L>-E<E>-<tensor>-<source>-seq<N>.safetensors``,
+with the captured and expected digests in its metadata. The folder starts with ``_``, as
+the manifests do, so that Parquet readers (pyarrow, pandas, DuckDB, Spark) skip it and
+read a run folder as a plain dataset (docs/reference.md); the manifest lists each dump's
+path, so a run written when the folder was ``dumps/`` reads the same.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import torch
 from moetrace import storage
 from moetrace.tracer.batch import CaptureBatch
 
-DUMP_DIR = "dumps"
+DUMP_DIR = "_dumps"
 
 
 def write_dump(fs: pafs.FileSystem, rank_dir: str, run_id: str, b: CaptureBatch, expert: int, tensor: torch.Tensor,
@@ -28,6 +31,8 @@ def write_dump(fs: pafs.FileSystem, rank_dir: str, run_id: str, b: CaptureBatch,
         "digest": got.hex(), "expected_digest": want.hex() if want else "",
     }
     data = save({b.tensor: tensor.contiguous()}, metadata=meta)
+    if storage.is_link(fs, storage.join(rank_dir, DUMP_DIR)):
+        raise OSError(f"{storage.join(rank_dir, DUMP_DIR)} is a symbolic link; dumps are never written through one")
     storage.make_dirs(fs, storage.join(rank_dir, DUMP_DIR))
     storage.write_atomic(fs, storage.join(rank_dir, DUMP_DIR, name), data)
     return f"{DUMP_DIR}/{name}", len(data)

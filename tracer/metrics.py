@@ -19,7 +19,7 @@ from typing import Callable
 
 log = logging.getLogger("moetrace.guard")
 
-PREFIX = "moetrace:"
+PREFIX = "moetrace_"  # no colon: colons are for recording rules, and OpenMetrics writes a counter's samples without one
 STATUSES = ("ok", "mismatch", "unverified", "waiting")
 LOAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _TICK_S = 1.0

@@ -7,7 +7,7 @@ against the index when online verification is on, and writes
 
     OUT/<run_id>/rank=<label>/part-NNNNN.parquet   (TRACE_SCHEMA, one row per tensor)
     OUT/<run_id>/rank=<label>/_manifest.json        (rewritten after every part)
-    OUT/<run_id>/rank=<label>/dumps/*.safetensors  (mismatching tensors, capped)
+    OUT/<run_id>/rank=<label>/_dumps/*.safetensors (mismatching tensors, capped)
 
 <label> is schema.rank_label: the TP rank, or e.g. "pp1-tp3" / "replica2-tp3" when
 the server has pipeline stages or data-parallel replicas; the folder is claimed for
@@ -86,6 +86,10 @@ class TraceSink(RankRecord):
         self.run_dir = storage.join(base, run_id)
         self.label = rank_label(tp_rank, pp_rank, pp_size, replica)
         self.rank_dir = storage.join(self.run_dir, rank_dir_name(tp_rank, pp_rank, pp_size, replica))
+        for folder in (self.run_dir, self.rank_dir):  # a planted link would take the trace somewhere else
+            if storage.is_link(self.fs, folder):
+                raise MoetraceError(f"output {out}: {folder} is a symbolic link (to {os.readlink(folder)}); moetrace "
+                                    "never writes a trace through a link: remove it or use a new run id")
         try:
             storage.make_dirs(self.fs, self.rank_dir)
         except Exception as err:
