@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from moetrace import __version__
+from moetrace.analysis import weight_updates
 from moetrace.analysis.coverage import Analysis
 from moetrace.analysis.expected import read_expected
 from moetrace.analysis.grid import Grid, build_grid
@@ -31,7 +32,7 @@ from moetrace.analysis.sentences import fmt_int, row_doc, sentence
 from moetrace.analysis.staging import staging_problem
 from moetrace.analysis.staleness import check_fresh
 from moetrace.analysis.summaries import load_summaries
-from moetrace.analysis.trace import read_trace
+from moetrace.analysis.trace import TraceData, read_trace
 from moetrace.analysis.verdicts import MATCH, MISSING, OUT_OF_SCOPE, VERDICTS
 from moetrace.errors import ExitCode, MoetraceError
 from moetrace.schema import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, SOURCES, format_ids, label_key, parse_rank_label
@@ -239,6 +240,11 @@ def _loads_section(a: Analysis, drows: np.ndarray) -> tuple[list[dict], list[dic
     return loads_doc, missing_loads_doc
 
 
+def totals_sentence(t: dict) -> str:
+    """The totals' sentence from a report's totals."""
+    return _totals_sentence(t["match"], t["tensors"], t["steps"], t["ranks"], t["by_verdict"], t["guard_verified"])
+
+
 def _totals_sentence(n_match: int, total: int, steps: int, ranks: list[int], by_verdict: dict,
                      guard: int = 0) -> str:
     s = (f"{fmt_int(n_match)}/{fmt_int(total)} tensors match across {fmt_int(steps)} step{'s' if steps != 1 else ''}, "
@@ -333,6 +339,25 @@ def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | No
         skipped = data.skipped_parts
         why = f"; {len(skipped)} unreadable part(s) skipped, first {skipped[0][0]}" if skipped else ""
         raise MoetraceError(f"trace {', '.join(paths)} holds no rows: nothing was captured{why}")
+    seg, later, problems = weight_updates.split(data)
+    if not later and not problems:
+        return _judge(data, paths, index, checkpoint, max_rows)
+    first = _judge(weight_updates.subset(data, seg == 0), paths, index, checkpoint, max_rows)
+    reports = []
+    for segment in later:
+        rep = None
+        if segment.unverifiable is None and segment.mask.any():
+            part = weight_updates.subset(data, segment.mask, segment.checkpoint_id)
+            rep = _judge(part, paths, None, segment.model_path, max_rows)  # its index, from its checkpoint
+        elif segment.unverifiable is None:
+            continue  # no row after it (the run ended first)
+        reports.append((segment, rep))
+    return weight_updates.combine(first, reports, problems)
+
+
+def _judge(data: TraceData, paths: Sequence[str], index: str | None, checkpoint: str | None,
+           max_rows: int) -> Report:
+    """The report of these rows against one reference."""
     index_path, trace_layout = choose_index(data, index, checkpoint)
     idx = read_expected(index_path, data.tensors, data.dtypes, models=data.models)
     check_index_fits(data, idx, checkpoint=None if index else checkpoint)

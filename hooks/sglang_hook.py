@@ -123,8 +123,11 @@ def make_hook(config: dict | None):
         return None
     if cfg.resident_cache and not weight_events.install():
         _missing(tracer, "SGLang's weight writers were not found: resident weights are fingerprinted on every pass")
+    found = weight_events.watch_updates(tracer.weights_updated)  # the manifest records every update
     if tracer.guard is not None and not weight_events.watch_updates(tracer.guard.weights_updated):
         _missing(tracer, "guard: SGLang's weight-update entry points were not found: a weight update would not be seen")
+    elif tracer.guard is None and not found:
+        _missing(tracer, "SGLang's weight-update entry points were not found: a weight update would not be recorded")
     try:
         model = serve_model(tracer, reg)
     except Exception as err:

@@ -138,7 +138,7 @@ def test_demo_runs_again_in_the_same_work_folder_without_matplotlib(demo_run, tm
     for log in (work / "logs").glob("*/rank*.log"):
         assert "were not found" not in log.read_text(), log
     for manifest in (work / "traces").glob("*/*/_manifest.json"):
-        assert any("weight writers were not found" in n for n in json.loads(manifest.read_text())["notes"])
+        assert any("weight-update entry points were not found" in n for n in json.loads(manifest.read_text())["notes"])
     second = _launches(work / "traces")
     assert sorted(second) == sorted(first) and not set(second.values()) & set(first.values())
     assert not list(work.rglob("_refused-*")) and not list(work.rglob("*.png"))

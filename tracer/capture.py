@@ -27,7 +27,7 @@ from moetrace.schema import TENSOR_NAMES, RankIdentity, dtype_name
 from moetrace.tracer import index_fit
 from moetrace.tracer.batch import CaptureBatch, CapturedTensor, CaptureEvent
 from moetrace.tracer.config import TraceConfig
-from moetrace.tracer.manifest import layout_key
+from moetrace.tracer.manifest import layout_key, utc_now
 from moetrace.tracer.online import MISMATCH, OnlineIndex
 from moetrace.tracer.sink import TraceSink
 from moetrace.tracer.steps import step_counter
@@ -54,6 +54,7 @@ class ModelState:
     name: str
     steps: Callable[[str, int], int]
     origin: int | None = None  # its first step here: sampling counts steps from it
+    last: int | None = None  # its latest step here: a weight update lands after it
 
 
 class Tracer:
@@ -152,6 +153,17 @@ class Tracer:
         self.sink.update(checkpoint_id=identity, checkpoint_path=os.path.abspath(model_path))
         return identity
 
+    def weights_updated(self, entry: str, model_path: str | None, ok: bool) -> None:
+        """A weight-update entry point of the server returned (hooks.weight_events): recorded
+        with the latest step of every model, so the analysis compares the rows after it with
+        the checkpoint it loaded (docs/analysis.md, "Weight updates")."""
+        with self._lock:
+            after = {name: state.last for name, state in self.models.items()}
+        self.sink.add_weight_update({"at": utc_now(), "entry": entry, "ok": bool(ok),
+                                     "model_path": os.path.abspath(model_path) if model_path else None,
+                                     "checkpoint_id": index_fit.checkpoint_identity(model_path) if ok and model_path
+                                     else None, "after_step": after})
+
     def _model(self, name: str) -> ModelState:
         state = self.models.get(name)
         return state if state is not None else self.register_model(name)
@@ -164,6 +176,7 @@ class Tracer:
             step = state.steps(source, layer)
             if state.origin is None:
                 state.origin = step
+            state.last = step if state.last is None else max(state.last, step)
             rel = step - state.origin
         if model == "target":
             self.sink.set_steps_seen(rel + 1)

@@ -147,6 +147,10 @@ class RankManifest:
     """counts of `match`, `mismatch`, `unchecked` rows (online verification)"""
     dumps: dict = field(default_factory=lambda: {"count": 0, "bytes": 0, "skipped": 0, "files": []})
     """`count`, `bytes`, `skipped` (over the caps), `files` (relative paths)"""
+    weight_updates: list | None = field(default_factory=list)
+    """the server's weight updates in order (the first 100): `{at, entry, ok, model_path, checkpoint_id,
+    after_step: {model: the latest step captured before it}}`; the analysis compares the rows after each with
+    the checkpoint it loaded ([analysis.md](analysis.md#weight-updates))"""
     guard: dict | None = None
     """null, or the in-server guard's record: status, counts, coverage, mismatches, weight updates, metrics exporter
     ([guard.md](guard.md))"""
@@ -335,7 +339,7 @@ def new_run_manifest(run_id: str, out: str, **fields) -> dict:
 
 
 # Fields added within a schema version: a file written before them lacks them and reads as null.
-ADDED_RANK_FIELDS = ("checkpoint_path", "staging")
+ADDED_RANK_FIELDS = ("checkpoint_path", "staging", "weight_updates")
 ADDED_RUN_FIELDS = ("staging", "traffic")
 
 

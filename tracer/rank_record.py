@@ -50,6 +50,13 @@ class RankRecord:
             if message not in self._m["notes"] and len(self._m["notes"]) < 50:
                 self._m["notes"].append(message)
 
+    def add_weight_update(self, update: dict) -> None:
+        """One weight update of the server, in the order they happened (the first 100)."""
+        with self._lock:
+            self._changes += 1
+            if len(self._m["weight_updates"]) < 100:
+                self._m["weight_updates"].append(update)
+
     def update(self, **fields) -> None:
         """Set manifest fields (e.g. ranks from the first module, disabled)."""
         with self._lock:

@@ -46,15 +46,16 @@ def train_tokenizer(folder: Path) -> None:
         "model_max_length": SIZES["max_position_embeddings"]}))
 
 
-def write_model(folder: Path, seed: str = "vllm-tiny") -> Path:
-    """The tiny Qwen3-MoE in `folder` (created): config, safetensors, tokenizer."""
+def write_model(folder: Path, seed: str = "vllm-tiny", **sizes) -> Path:
+    """The tiny Qwen3-MoE in `folder` (created): config, safetensors, tokenizer; `sizes`
+    override SIZES."""
     import torch
     import transformers
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(zlib.crc32(seed.encode()))  # the same model in every process
-    cfg = transformers.Qwen3MoeConfig(**SIZES, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.Qwen3MoeConfig(**{**SIZES, **sizes}, bos_token_id=0, eos_token_id=0)
     cfg.architectures = ["Qwen3MoeForCausalLM"]
     model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(folder)
