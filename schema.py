@@ -48,7 +48,7 @@ READABLE_TRACE_SCHEMA_VERSIONS = (3, 4)  # 3: the same columns, sources staged a
 MANIFEST_SCHEMA_VERSION = 4  # 4: the ways things were found are *_found_by, never *source (docs/capture.md)
 REPORT_SCHEMA, REPORT_SCHEMA_VERSION = "moetrace.analysis", 3  # 3: summaries' shared-expert stale detail
 DIFF_SCHEMA, DIFF_SCHEMA_VERSION = "moetrace.diff", 2
-CONFORM_SCHEMA, CONFORM_SCHEMA_VERSION = "moetrace.conform", 2
+CONFORM_SCHEMA, CONFORM_SCHEMA_VERSION = "moetrace.conform", 3  # 3: "marlin" (int4)
 
 # ---------------------------------------------------------------- tensors
 

@@ -20,6 +20,7 @@ from moetrace.errors import MoetraceError
 from moetrace.jobs.conform_plan import FORMATS, Plan
 
 HIDDEN, BLOCK = 256, 128  # per rank I_tp = one 128 block
+INT4_GROUP = 32  # int4: Kimi-K2's group size; I_tp = 128 holds 4 groups, 16 words per row
 WORKDIR_MARK = ".moetrace-conform"
 ERROR_KINDS = {"layout": "unsupported fork layout", "refused": "refused", "timeout": "the schedule stalled",
                "crash": "the fork's code failed", "peer": "a rank lost its peer", "writer": "rank 0's writer failed"}
@@ -38,6 +39,15 @@ def work_folder(path: str | None) -> tuple[Path, bool]:
     return p, False
 
 
+def staged_layout(fmt: str):
+    """The layout a rank holds after the fork's load: canonical, except INT4, whose load
+    repacks (conform: its identity) and permutes the scales (checkpoints.layout_rules)."""
+    from moetrace.checkpoints.layout import CANONICAL, ServerLayout
+    from moetrace.checkpoints.layout_rules import MARLIN_PERMUTE_SCALES, MARLIN_REPACK_IDENTITY
+
+    return ServerLayout(transforms=(MARLIN_REPACK_IDENTITY, MARLIN_PERMUTE_SCALES)) if fmt == "int4" else CANONICAL
+
+
 def prepare(wd: Path, fmt: str, experts: int, tp: int) -> tuple[Path, Path, str]:
     """A one-layer synthetic Qwen3.5 checkpoint (every element a known function of
     where it sits) and its TP index; reused when the work folder has them."""
@@ -51,10 +61,11 @@ def prepare(wd: Path, fmt: str, experts: int, tp: int) -> tuple[Path, Path, str]
     if not (ck / "config.json").exists():
         shutil.rmtree(ck, ignore_errors=True)
         write_synthetic_checkpoint(ck, family="qwen3_5_moe", fmt=fmt, num_layers=1, num_experts=experts,
-                                   hidden=HIDDEN, intermediate=inter, scale_dtype="bfloat16", num_files=1)
+                                   hidden=HIDDEN, intermediate=inter, scale_dtype="bfloat16", num_files=1,
+                                   group_size=INT4_GROUP if fmt == "int4" else None)
     index = wd / f"index-{fmt}-e{experts}-i{inter}-tp{tp}.parquet"
     if not index.exists():
-        write_index(build_index(ck, tp), index)
+        write_index(build_index(ck, tp, layout=staged_layout(fmt)), index)
     return ck, index, open_checkpoint(ck).identity
 
 
@@ -141,7 +152,8 @@ def _rank_job(plans: list[Plan], tp: int, wd: Path, guard: str | None, timeout_s
         rank_cases.append(RankCase(run_id, c.fmt, c.schedule, tuple(p.patch.get("methods", ())), writer, str(ck),
                                    cid, str(wd / "traces"), 0, c.experts, HIDDEN, BLOCK * tp,
                                    tuple(range(1, c.experts, 4)), str(p.src.path), p.src.version,
-                                   str(index) if guard else None, guard or "all", notes.get(c.name, "")))
+                                   str(index) if guard else None, guard or "all", notes.get(c.name, ""),
+                                   INT4_GROUP if c.fmt == "int4" else None))
     logs = wd / f"ranks-{uuid.uuid4().hex[:6]}"
     logs.mkdir()
     kt = plans[0].fork
