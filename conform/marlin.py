@@ -22,18 +22,21 @@ from __future__ import annotations
 import ast
 import builtins
 import threading
+import types
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 import torch
 
-from moetrace.conform.fork import MARLIN_UTILS_REL, ForkError, fork_root
+from moetrace.conform.fork import JIT_INIT_REL, MARLIN_UTILS_REL, ForkError, fork_root
 
 PERMUTE = "marlin_permute_scales"
-# Where the fork's releases import them from (0.5.2: sgl_kernel; 0.7.x: sglang.jit_kernel)
+# Where the fork's releases import them from: the function from sgl_kernel (0.5.2-0.6.2) or
+# from its module (0.6.3.post1 on); 0.6.3 imports the name from the package (JIT_PACKAGE_IMPORT)
 PERMUTE_IMPORTS = ("sglang.srt.layers.quantization.marlin_utils.marlin_permute_scales",)
 REPACK_IMPORTS = ("sglang.jit_kernel.gptq_marlin_repack.gptq_marlin_repack", "sgl_kernel.gptq_marlin_repack")
+JIT_PACKAGE_IMPORT = "sglang.jit_kernel.gptq_marlin_repack"
 JUDGED = "weights judged before the Marlin repack, scales after SGLang's permute"
 
 
@@ -113,8 +116,31 @@ class RepackIdentity:
         return {"calls": len(self.calls), "shapes": [list(c) for c in sorted(set(self.calls))]}
 
 
-def provided(runtime, repack: RepackIdentity, permute) -> dict:
+def jit_package_binding(wrapper: Path, repack):
+    """What ``from sglang.jit_kernel import gptq_marlin_repack`` binds, as Python decides it:
+    the name the fork's own ``sglang/jit_kernel/__init__.py`` defines or imports, else the
+    submodule (sglang-kt 0.6.3's __init__.py is empty: its INT4 path then calls a module).
+    Without that file beside the wrapper, a placeholder that refuses by name when used."""
+    from moetrace.conform.fork import _missing
+
+    init = fork_root(wrapper) / JIT_INIT_REL
+    if not init.is_file():
+        return _missing("gptq_marlin_repack", f"from sglang.jit_kernel import gptq_marlin_repack: no {JIT_INIT_REL} "
+                                              f"beside the wrapper to tell a function from the submodule")
+    tree = ast.parse(init.read_text(), filename=str(init))
+    bound = {a.asname or a.name for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    bound |= {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    if "gptq_marlin_repack" in bound:
+        return repack
+    module = types.ModuleType(JIT_PACKAGE_IMPORT)
+    module.gptq_marlin_repack = repack
+    return module
+
+
+def provided(runtime, repack: RepackIdentity, permute, wrapper: Path) -> dict:
     """The fork's imports of the two, stream-ordered on the simulated runtime."""
     out = {key: runtime.stream_ordered(permute) for key in PERMUTE_IMPORTS}
-    out.update({key: runtime.stream_ordered(repack) for key in REPACK_IMPORTS})
+    kernel = runtime.stream_ordered(repack)
+    out.update({key: kernel for key in REPACK_IMPORTS})
+    out[JIT_PACKAGE_IMPORT] = jit_package_binding(wrapper, kernel)
     return out

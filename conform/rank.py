@@ -186,7 +186,7 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
         from moetrace.conform import marlin
 
         permute_from, repack = marlin.permute_source(src.path, src.version), marlin.RepackIdentity()
-        provided.update(marlin.provided(runtime, repack, marlin.compile_permute(permute_from)))
+        provided.update(marlin.provided(runtime, repack, marlin.compile_permute(permute_from), src.path))
     methods = list(case.fence_methods)
     compiled = fork.compile_fork(src, provided, modules,
                                    patch=(lambda node, ns: fence.patch_fence(node, methods, ns)) if methods else None)

@@ -115,13 +115,22 @@ def _spawn(job) -> list[dict]:
                 if p.is_alive():
                     p.kill()
                     p.join()
+    failed = sorted(r for r, v in results.items() if v.get("error"))
     for r in range(job.tp):
         path = Path(job.results) / f"rank{r}.json"
         if r not in results:
-            results[r] = json.loads(path.read_text()) if path.exists() else {
-                "rank": r, "error": f"rank {r} did not finish within {limit:.0f} s", "error_kind": "timeout",
-                "cases": []}
+            results[r] = json.loads(path.read_text()) if path.exists() else unfinished(r, failed, limit)
     return [results[r] for r in range(job.tp)]
+
+
+def unfinished(rank: int, failed: list[int], limit: float) -> dict:
+    """The result of a rank stopped without its file: after a peer failed (a peer error, so
+    the failed rank's own error is named as the cause), else out of time."""
+    if failed:
+        return {"rank": rank, "error": f"rank {rank} stopped after rank {failed[0]} failed", "error_kind": "peer",
+                "cases": []}
+    return {"rank": rank, "error": f"rank {rank} did not finish within {limit:.0f} s", "error_kind": "timeout",
+            "cases": []}
 
 
 def _rank_error(results: list[dict], logs: Path, keep: bool) -> tuple[str, str] | None:

@@ -678,3 +678,33 @@ def test_marlin_permute_scales_compiled_from_the_fork_or_upstream(tmp_path):
         f = marlin.compile_permute(source)
         assert torch.equal(torch.stack([f(e, 256, 256, 32).view(e.shape) for e in s13]), want["w13_weight_scale"])
         assert torch.equal(torch.stack([f(e, 32, 256, 32).view(e.shape) for e in s2]), want["w2_weight_scale"])
+
+
+def test_a_rank_stopped_after_a_peer_failed_is_not_named_as_the_cause(tmp_path):
+    """sglang-kt 0.6.3's INT4 path fails on its first Marlin call on every rank; a rank the
+    command stops before it wrote its result was reported as a stall and named first."""
+    from moetrace.jobs.conform_ranks import _rank_error, unfinished
+
+    crashed = {"rank": 1, "error": "TypeError: 'module' object is not callable", "error_kind": "crash"}
+    kind, line = _rank_error([unfinished(0, [1], 360), crashed], tmp_path, True)
+    assert kind == "crash" and "rank 1: TypeError: 'module' object is not callable" in line
+    assert unfinished(0, [], 360)["error_kind"] == "timeout"
+
+
+def test_from_jit_kernel_import_binds_what_the_forks_package_says(tmp_path):
+    """`from sglang.jit_kernel import gptq_marlin_repack` (sglang-kt 0.6.3) binds the name its
+    package's __init__.py defines, else the submodule, which the fork's INT4 path then calls."""
+    from moetrace.conform.marlin import jit_package_binding
+
+    wrapper = tmp_path / WRAPPER
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text("")
+    init = tmp_path / "sglang" / "jit_kernel" / "__init__.py"
+    with pytest.raises(fork_source.ForkError, match="no sglang/jit_kernel/__init__.py beside the wrapper"):
+        jit_package_binding(wrapper, print)(1)
+    init.parent.mkdir(parents=True)
+    init.write_text("")
+    module = jit_package_binding(wrapper, print)
+    assert module.gptq_marlin_repack is print and not callable(module)
+    init.write_text("from .gptq_marlin_repack import gptq_marlin_repack\n")
+    assert jit_package_binding(wrapper, print) is print
