@@ -44,8 +44,8 @@ def kt_wrapper(checkpoint: str, fmt: str, layer: int, experts: int, hidden: int,
         return None, f"kt-kernel's {method} wrapper failed here ({type(err).__name__}: {' '.join(str(err).split())})"
     words = f"kt-kernel {getattr(kt_kernel, '__version__', '?')} {method} wrapper ({kt_kernel.__cpu_variant__} build)"
     if fmt == "int4":
-        words += (f"; {type(getattr(w, 'moe', None)).__name__}, the tensors its loader read kept alive (kt-kernel "
-                  f"0.7.2's AVX2RawInt4_MOE writes from them after load_weights drops them)")
+        words += (f"; {type(getattr(w, 'moe', None)).__name__}, the tensors its loader read kept alive "
+                  f"(AVX2RawInt4_MOE writes from them after load_weights drops them)")
     return w, words
 
 
