@@ -48,7 +48,7 @@ READABLE_TRACE_SCHEMA_VERSIONS = (3, 4)  # 3: the same columns, sources staged a
 MANIFEST_SCHEMA_VERSION = 4  # 4: the ways things were found are *_found_by, never *source (docs/capture.md)
 REPORT_SCHEMA, REPORT_SCHEMA_VERSION = "moetrace.analysis", 3  # 3: summaries' shared-expert stale detail
 DIFF_SCHEMA, DIFF_SCHEMA_VERSION = "moetrace.diff", 2
-CONFORM_SCHEMA, CONFORM_SCHEMA_VERSION = "moetrace.conform", 2
+CONFORM_SCHEMA, CONFORM_SCHEMA_VERSION = "moetrace.conform", 3  # 3: "marlin" (int4)
 
 # ---------------------------------------------------------------- tensors
 
@@ -60,6 +60,8 @@ COPY_ORDERS: dict[str, tuple[str, ...]] = {
     "fp8_channel": ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"),
     "fp8_tensor": ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"),
     "bf16": ("w13_weight", "w2_weight"),
+    # compressed-tensors W4A16 pack-quantized: int32 words of 8 int4 values, group scales
+    "int4": ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale"),
 }
 # Every FusedMoE parameter a capture can hold, in a stable order.
 TENSOR_NAMES: tuple[str, ...] = tuple(dict.fromkeys(n for order in COPY_ORDERS.values() for n in order))
@@ -69,7 +71,7 @@ def copy_position(tensor: str) -> int:
     """Where a FusedMoE parameter comes in an expert's copy: w13_weight 0, its scale 1,
     w2_weight 2, its scale 3 (the FP8 orders; BF16 keeps these numbers, so positions
     compare across formats)."""
-    for order in (COPY_ORDERS["fp8_block"], COPY_ORDERS["fp8_channel"]):
+    for order in (COPY_ORDERS["fp8_block"], COPY_ORDERS["fp8_channel"], COPY_ORDERS["int4"]):
         if tensor in order:
             return order.index(tensor)
     raise KeyError(tensor)

@@ -21,9 +21,23 @@ TRTLLM = ("flashinfer_trtllm", "flashinfer_trtllm_routed")
 QUALIFIED_RUNNERS = ("triton", "deep_gemm", "flashinfer_cutlass", *TRTLLM)
 # Methods whose loader swaps w1/w3 under flashinfer-trtllm (layer.py _weight_loader_impl).
 TRTLLM_SWAP_METHODS = ("Fp8MoEMethod", "UnquantizedFusedMoEMethod", "CompressedTensorsMxInt4MoE")
-STAGED_FORMATS = ("fp8_block", "fp8_channel", "bf16")  # KT contexts moetrace captures
+STAGED_FORMATS = ("fp8_block", "fp8_channel", "bf16")  # KT contexts moetrace captures (INT4: _int4_staged)
 FP8_TENSOR_REQUANT = "fp8_tensor_w13_requant"
 SWIGLU_INTERLEAVE = "w13_swiglu_interleave"
+MARLIN_REPACK_IDENTITY = "marlin_repack_identity"
+MARLIN_PERMUTE_SCALES = "marlin_permute_scales"
+
+
+def _int4_staged(facts: dict) -> ServerLayout:
+    """A KT INT4 staged context: _prepare_weight_int4 transposes each staged expert, repacks
+    its words for Marlin (gptq_marlin_repack, a CUDA kernel) and permutes its scales
+    (marlin_permute_scales) inside load(). moetrace reproduces the transpose and the permute;
+    the repack only where moetrace conform replaced it by its identity (the layer says so)."""
+    if facts.get("marlin_repack") != "identity":
+        raise LayoutRefused("Marlin-repacked INT4 weights", "_prepare_weight_int4 repacks every staged expert with "
+                            "gptq_marlin_repack, a CUDA kernel moetrace does not reproduce (moetrace conform "
+                            "replaces it and judges the weights before it)")
+    return ServerLayout(transforms=(MARLIN_REPACK_IDENTITY, MARLIN_PERMUTE_SCALES))
 
 
 def _refuse_transforms(facts: dict, fmt: str, source: str) -> None:
@@ -131,6 +145,8 @@ def derive_layout(facts: dict | None, fmt: str, i_tp: int, source: str = "reside
         if "error" in facts:
             raise LayoutRefused("an unreadable layout", f"reading the layer's facts failed: {facts['error']}")
         kt = facts.get("kt_format")
+        if source == "staged" and kt == "int4":
+            return _int4_staged(facts)
         if source == "staged" and kt is not None and kt not in STAGED_FORMATS:
             raise LayoutRefused(f"a KT {kt} staged context",
                                 "moetrace captures FP8 block/channel and BF16 contexts only")

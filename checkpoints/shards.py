@@ -11,9 +11,14 @@ gate rows [r*I_tp, (r+1)*I_tp) then up rows (up first when the layout says so); 
 down columns [r*I_tp, (r+1)*I_tp). Block scales follow in whole blocks: w13 scale rows
 by block_n, w2 scale columns by block_k. Per-channel w2 scales are per output row of
 down, which TP does not split; per-tensor scales are [gate, up] and one down scale.
-Scales are held in fp32. When the runner pads I_tp to P (flashinfer-trtllm), rank r
-loads rows [r*P, min((r+1)*P, I)) into each half and zeros the rest (SGLang's
-narrow_padded_param_and_loaded_weight): the pad re-partitions I, it is not per rank.
+Scales are held in fp32. INT4 (compressed-tensors pack-quantized) cuts the same
+rows and columns in the checkpoint's [out, in/8] int32 words and [out, in/group_size]
+scales (w2's column cut in whole packs and groups) and is held transposed, as
+SGLang's CompressedTensorsWNA16MoE loads it: w13_weight_packed [H/8, 2*I_tp],
+w2_weight_packed [I_tp/8, H], scales [groups, out] in bfloat16. When the runner pads
+I_tp to P (flashinfer-trtllm), rank r loads rows [r*P, min((r+1)*P, I)) into each
+half and zeros the rest (SGLang's narrow_padded_param_and_loaded_weight): the pad
+re-partitions I, it is not per rank.
 """
 
 from __future__ import annotations
@@ -23,10 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
-from moetrace.checkpoints.quant_config import held_scale_names
+from moetrace.checkpoints.quant_config import held_scale_names, held_weight_names
 from moetrace.checkpoints.reader import Checkpoint
 from moetrace.checkpoints.safetensors_file import host_copy
-from moetrace.checkpoints.spec import MoESpec, expert_tensor_name, fused_tensor_name
+from moetrace.checkpoints.spec import INT4_PACK, MoESpec, expert_tensor_name, fused_tensor_name
 from moetrace.checkpoints.transforms import apply_transforms
 from moetrace.errors import MoetraceError
 
@@ -83,6 +88,8 @@ def validate_moe_tp(spec: MoESpec, par: Parallel) -> None:
     padded = par.layout.intermediate_padded
     if padded is not None and padded < spec.intermediate_size // mts:
         raise MoetraceError(f"padded I per rank {padded} is below moe_intermediate_size / moe_tp_size {opts}")
+    if spec.fmt == "int4":
+        _validate_int4(spec, par, opts)
     if spec.fmt == "fp8_block":
         i_tp, (bn, bk) = _per_rank(spec, par), spec.block
         # SGLang's create_weights checks both (on the padded size): w13's output and
@@ -98,6 +105,21 @@ def validate_moe_tp(spec: MoESpec, par: Parallel) -> None:
                 f"The input_size of down's weight = {i_tp} (moe_intermediate_size {spec.intermediate_size} / "
                 f"moe_tp_size {mts}) is not divisible by weight quantization block_k = {bk} {opts}"
             )
+
+
+def _validate_int4(spec: MoESpec, par: Parallel, opts: str) -> None:
+    """w2's input columns are cut per rank in int32 packs and scale groups: both must be whole."""
+    if par.layout.intermediate_padded is not None:
+        raise MoetraceError(f"INT4 with I per rank padded to {par.layout.intermediate_padded}: SGLang's WNA16 MoE "
+                            f"method does not pad {opts}")
+    i_tp = spec.intermediate_size // par.moe_tp_size
+    units = ((f"int4 packs ({INT4_PACK} values per int32)", INT4_PACK),
+             (f"groups (group_size {spec.group_size})", spec.group_size))
+    for what, n in units:
+        if i_tp % n:
+            raise MoetraceError(f"moe_intermediate_size {spec.intermediate_size} / moe_tp_size {par.moe_tp_size} = "
+                                f"{i_tp} input columns of down per rank is not a whole number of {what}: w2's "
+                                f"column cut would split one {opts}")
 
 
 def validate_parallel(spec: MoESpec, par: Parallel) -> None:
@@ -125,9 +147,10 @@ def local_experts(spec: MoESpec, par: Parallel, ep_rank: int) -> range:
 def tensor_names(spec: MoESpec) -> tuple[str, ...]:
     """FusedMoE parameter names for the format, in transport copy order."""
     scales = held_scale_names(spec.fmt, spec.quant_method)
+    w13, w2 = held_weight_names(spec.fmt)
     if scales is None:
-        return ("w13_weight", "w2_weight")
-    return ("w13_weight", scales[0], "w2_weight", scales[1])
+        return (w13, w2)
+    return (w13, scales[0], w2, scales[1])
 
 
 @dataclass(frozen=True)
@@ -210,12 +233,18 @@ def _expert_parts(ckpt: Checkpoint, layer: int, expert: int, c: _Cut,
         return ckpt.read(name, into=dst, **cut)
 
     halves = (c.first, c.second)
+    w13, w2 = held_weight_names(spec.fmt)
+    pack = INT4_PACK if spec.fmt == "int4" else 1  # w2's columns in int32 words of 8 int4 values
     out = {
-        "w13_weight": [read("w13_weight", h, p, size=c.size, rows=(c.r0, c.r1)) for h, p in enumerate(halves)],
-        "w2_weight": [read("w2_weight", None, "down", size=c.size, dim=1, cols=(c.r0, c.r1))],
+        w13: [read(w13, h, p, size=c.size, rows=(c.r0, c.r1)) for h, p in enumerate(halves)],
+        w2: [read(w2, None, "down", size=c.size // pack, dim=1, cols=(c.r0 // pack, c.r1 // pack))],
     }
     scales = held_scale_names(spec.fmt, spec.quant_method)
-    if spec.fmt == "fp8_block":
+    if spec.fmt == "int4":  # group scales: w13 rows as the weight's, w2 columns in whole groups
+        gs = spec.group_size
+        out[scales[0]] = [read(scales[0], h, p, "scale", rows=(c.r0, c.r1)) for h, p in enumerate(halves)]
+        out[scales[1]] = [read(scales[1], None, "down", "scale", cols=(c.r0 // gs, c.r1 // gs))]
+    elif spec.fmt == "fp8_block":
         # Whole blocks: w13 scale rows by block_n, w2 scale columns by block_k; the cast
         # from bf16/f16 to the fp32 SGLang holds is exact.
         bn, bk = spec.block
@@ -237,8 +266,19 @@ def _expert_parts(ckpt: Checkpoint, layer: int, expert: int, c: _Cut,
     return {k: out[k] for k in tensor_names(spec)}
 
 
-def _held_dtype(name: str, stored: torch.dtype) -> torch.dtype:
-    return torch.float32 if "scale" in name else stored
+def _held_dtype(name: str, stored: torch.dtype, fmt: str) -> torch.dtype:
+    """FP8 scales are held in fp32; INT4's in the model dtype (bfloat16: spec checks it)."""
+    if "scale" not in name:
+        return stored
+    return torch.bfloat16 if fmt == "int4" else torch.float32
+
+
+def _loaded(spec: MoESpec, layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The layer as the loader leaves it: INT4 is held transposed ([E, in, out]; SGLang's
+    WNA16 MoE params are is_transposed and its loader transposes each checkpoint tensor)."""
+    if spec.fmt != "int4":
+        return layer
+    return {k: v.transpose(-2, -1).contiguous() for k, v in layer.items()}
 
 
 def _slot_shape(parts: list[torch.Tensor]) -> tuple[int, ...]:
@@ -250,7 +290,8 @@ def _slot_shape(parts: list[torch.Tensor]) -> tuple[int, ...]:
 
 def _expert_unfused(ckpt: Checkpoint, layer: int, expert: int, c: _Cut) -> dict[str, torch.Tensor]:
     parts = _expert_parts(ckpt, layer, expert, c)
-    return {k: (torch.cat(v) if v[0].dim() else v[0]).to(_held_dtype(k, v[0].dtype)) for k, v in parts.items()}
+    return {k: (torch.cat(v) if v[0].dim() else v[0]).to(_held_dtype(k, v[0].dtype, ckpt.spec.fmt))
+            for k, v in parts.items()}
 
 
 def _experts_fused(ckpt: Checkpoint, layer: int, experts: range, c: _Cut) -> dict[str, torch.Tensor]:
@@ -293,7 +334,7 @@ def expected_expert(ckpt: Checkpoint, layer: int, expert: int, tp_rank: int, par
     if ckpt.spec.fused_experts:
         held = _experts_fused(ckpt, layer, range(expert, expert + 1), c)
     else:
-        held = {k: v.unsqueeze(0) for k, v in _expert_unfused(ckpt, layer, expert, c).items()}
+        held = _loaded(ckpt.spec, {k: v.unsqueeze(0) for k, v in _expert_unfused(ckpt, layer, expert, c).items()})
     return {k: v[0] for k, v in apply_transforms(held, par.layout.transforms).items()}
 
 
@@ -303,7 +344,8 @@ def _stack_unfused(ckpt: Checkpoint, layer: int, experts, c: _Cut,
     for i, expert in enumerate(experts):
         parts = _expert_parts(ckpt, layer, expert, c, {k: v[i] for k, v in out.items()} if out else None)
         if not out:  # allocate once the first expert tells the shapes
-            shapes = {k: ((len(experts), *_slot_shape(v)), _held_dtype(k, v[0].dtype)) for k, v in parts.items()}
+            shapes = {k: ((len(experts), *_slot_shape(v)), _held_dtype(k, v[0].dtype, ckpt.spec.fmt))
+                      for k, v in parts.items()}
             reuse = buffers is not None and set(buffers) == set(shapes) and all(
                 tuple(buffers[k].shape) == s and buffers[k].dtype == d for k, (s, d) in shapes.items())
             out = dict(buffers) if reuse else {k: torch.empty(s, dtype=d) for k, (s, d) in shapes.items()}
@@ -332,7 +374,8 @@ def expected_layer(ckpt: Checkpoint, layer: int, tp_rank: int, par: Parallel, sl
         experts = experts[slots.start : slots.stop]
     if ckpt.spec.fused_experts:
         return apply_transforms(_experts_fused(ckpt, layer, experts, c), par.layout.transforms)
-    return apply_transforms(_stack_unfused(ckpt, layer, experts, c, buffers), par.layout.transforms)
+    return apply_transforms(_loaded(ckpt.spec, _stack_unfused(ckpt, layer, experts, c, buffers)),
+                            par.layout.transforms)
 
 
 def expected_experts(ckpt: Checkpoint, layer: int, moe_tp_rank: int, par: Parallel,
@@ -351,7 +394,8 @@ def expected_experts(ckpt: Checkpoint, layer: int, moe_tp_rank: int, par: Parall
     routed = range(experts.start, min(experts.stop, spec.num_experts))
     shared = range(max(experts.start, spec.num_experts), experts.stop)
     if not spec.fused_experts:
-        return apply_transforms(_stack_unfused(ckpt, layer, experts, c, buffers), par.layout.transforms)
+        return apply_transforms(_loaded(spec, _stack_unfused(ckpt, layer, experts, c, buffers)),
+                                par.layout.transforms)
     out = _experts_fused(ckpt, layer, routed, c) if len(routed) else {}
     if len(shared):  # a fused 3-D checkpoint keeps its shared expert unfused
         extra = _stack_unfused(ckpt, layer, shared, c)

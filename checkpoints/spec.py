@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moetrace.checkpoints.model_config import ALIASES, MODEL_TYPES, decoder_json, read_decoder_config
-from moetrace.checkpoints.quant_config import quant_format, scale_suffix
+from moetrace.checkpoints.quant_config import quant_format, scale_suffix, weight_suffix
 from moetrace.errors import MoetraceError
 from moetrace.schema import MAX_ID, format_ids
 
@@ -26,7 +26,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("deepseek_v3", "model"),
 }
 FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3")
-FORMATS = ("fp8_block", "fp8_channel", "fp8_tensor", "bf16")
+FORMATS = ("fp8_block", "fp8_channel", "fp8_tensor", "bf16", "int4")
+INT4_PACK = 8  # int4 values per int32 word of weight_packed, along the input dimension
 PROJS = ("gate", "up", "down")
 # Tensor-name prefixes that look like experts but are not routed decoder experts:
 # Qwen3.5's multi-token-prediction head and vision tower.
@@ -52,6 +53,7 @@ class MoESpec:
     # Shared experts shaped like a routed one (checkpoints.extra): SGLang can fuse them
     # into the FusedMoE's last slot(s) as expert ids num_experts + j.
     shared_experts: int = 0
+    group_size: int | None = None  # int4: input columns per scale (compressed-tensors group_size)
 
     @property
     def scale_suffix(self) -> str | None:
@@ -77,10 +79,11 @@ SHARED_EXPERT_MODULES = {"deepseek_v3": "shared_experts", "qwen3_next": "shared_
 
 
 def expert_tensor_name(spec: MoESpec, layer: int, expert: int, proj: str, kind: str = "weight") -> str:
-    """Checkpoint name of one per-expert tensor; proj in PROJS, kind "weight"|"scale".
+    """Checkpoint name of one per-expert tensor; proj in PROJS, kind "weight"|"scale"
+    (int4: "weight" is the packed words, ``weight_packed``; "shape" its ``weight_shape``).
     Expert ids from num_experts on are the shared expert(s), as SGLang's loader fuses
     them (``mlp.shared_experts`` -> ``mlp.experts.{n_routed_experts}``)."""
-    suffix = "weight" if kind == "weight" else spec.scale_suffix
+    suffix = {"weight": weight_suffix(spec.fmt), "shape": "weight_shape"}.get(kind, spec.scale_suffix)
     if suffix is None:
         raise MoetraceError(f"{spec.fmt} checkpoints have no scale tensors")
     if expert >= spec.num_experts:
@@ -136,7 +139,8 @@ def moe_layers_from_config(family: str, text: Mapping, where: str) -> tuple[int,
     return tuple(layer for layer in range(n) if layer not in set(mlp_only) and (layer + 1) % step == 0)
 
 
-_FORMAT_WORDS = {"fp8_block": "block scales", "fp8_channel": "per-channel scales", "fp8_tensor": "per-tensor scales"}
+_FORMAT_WORDS = {"fp8_block": "block scales", "fp8_channel": "per-channel scales", "fp8_tensor": "per-tensor scales",
+                 "int4": "INT4 group scales"}
 
 
 def _check_sizes_held(prefix: str, sizes: dict[str, int], tensors: Mapping[str, str] | None, where: str,
@@ -218,12 +222,29 @@ def spec_from_config(config: Mapping, path: str | Path, tensors: Mapping[str, st
         fmt=q.fmt,
         block=q.block,
         quant_method=q.quant_method,
+        group_size=q.group_size,
     )
     if not spec.moe_layers:
         raise MoetraceError(f"{where}: the config declares no MoE layers")
+    if spec.fmt == "int4":
+        _check_int4(spec, text, where_text)
     if tensors is None:
         return spec
     return verify_against_tensors(spec, tensors, where)
+
+
+def _check_int4(spec: MoESpec, text: Mapping, where: str) -> None:
+    """INT4 packs 8 values per int32 and groups group_size input columns per scale: both
+    sizes must hold whole packs and groups, and the scales are held in bfloat16."""
+    gs = spec.group_size
+    for key, n in (("hidden_size", spec.hidden_size), ("moe_intermediate_size", spec.intermediate_size)):
+        if n % INT4_PACK or n % gs:
+            raise MoetraceError(f"{where}: '{key}' {n} is not a whole number of int4 packs ({INT4_PACK} values per "
+                                f"int32) and of groups (group_size {gs})")
+    dtype = text.get("torch_dtype") or text.get("dtype")
+    if dtype not in (None, "bfloat16"):
+        raise MoetraceError(f"{where}: torch_dtype {dtype!r}: SGLang holds INT4 scales in the model dtype; moetrace "
+                            "reproduces bfloat16 models only")
 
 
 def verify_against_tensors(spec: MoESpec, tensors: Mapping[str, str], where: str) -> MoESpec:
@@ -231,7 +252,7 @@ def verify_against_tensors(spec: MoESpec, tensors: Mapping[str, str], where: str
     is. Disagreement is an error naming both, never a silent guess."""
     layer = spec.moe_layers[0]
     stem = f"{spec.prefix}.layers.{layer}.mlp.experts"
-    unfused, fused = f"{stem}.0.gate_proj.weight", f"{stem}.gate_up_proj"
+    unfused, fused = f"{stem}.0.gate_proj.{weight_suffix(spec.fmt)}", f"{stem}.gate_up_proj"
     if unfused in tensors:
         is_fused = False
         weight = unfused
@@ -255,7 +276,7 @@ def verify_against_tensors(spec: MoESpec, tensors: Mapping[str, str], where: str
         )
     if spec.fmt == "bf16" and (has_inv or has_scale):
         raise MoetraceError(f"{where}: no quantization_config but the checkpoint has FP8 scales ({stem}.0.gate_proj.*)")
-    want = "F8_E4M3" if spec.fmt.startswith("fp8") else "BF16"
+    want = {"int4": "I32"}.get(spec.fmt, "F8_E4M3" if spec.fmt.startswith("fp8") else "BF16")
     if tensors[weight] != want:
         raise MoetraceError(f"{where}: format {spec.fmt} needs {want} expert weights but {weight} is {tensors[weight]}")
     scale_dtype = None
@@ -269,6 +290,9 @@ def _verify_fused(spec: MoESpec, tensors: Mapping[str, str], fused: str, where: 
     """Fused 3-D experts, where the family's SGLang loader maps them: BF16, or FP8
     block scales under the name it maps. Anything else is refused by name: SGLang
     would skip it (and hold no scale) or fail."""
+    if spec.fmt == "int4":
+        raise MoetraceError(f"{where}: fused expert tensors ({fused}) with INT4 weights: compressed-tensors "
+                            "pack-quantized checkpoints store experts per expert")
     if spec.family in FUSED_NOT_MAPPED:
         raise MoetraceError(f"{where}: {fused}: fused expert tensors in a {spec.arch} checkpoint; "
                             f"{FUSED_NOT_MAPPED[spec.family]}")
@@ -299,7 +323,9 @@ def _verify_fused(spec: MoESpec, tensors: Mapping[str, str], fused: str, where: 
 def expert_tensor_pattern(spec: MoESpec) -> re.Pattern:
     """A per-expert weight or scale of the spec's format, or a fused 3-D expert tensor
     (groups: projection, kind; fused projection, fused scale suffix)."""
-    kinds = f"weight|{spec.scale_suffix}" if spec.scale_suffix else "weight"
+    kinds = weight_suffix(spec.fmt) + (f"|{spec.scale_suffix}" if spec.scale_suffix else "")
+    if spec.fmt == "int4":
+        kinds += "|weight_shape"
     return re.compile(
         rf"^{re.escape(spec.prefix)}\.layers\.\d+\.mlp\.(?:experts\.|shared_experts?\.)"
         rf"(?:(?:\d+\.)?(gate|up|down)_proj\.({kinds})|(gate_up|down)_proj(_scale_inv|_scale)?)$"
@@ -329,6 +355,8 @@ def expected_header(s: MoESpec, name: str, pattern: re.Pattern | None = None
         why = f"num_experts {E}, weight [{E}, {out}, {inp}] in blocks {list(s.block)}"
         return SCALE_DTYPES, [(E, rows, -(-inp // bk))], why
     out, inp = (H, I) if proj == "down" else (I, H)
+    if s.fmt == "int4":
+        return _int4_header(s, kind, out, inp, sizes)
     if kind == "weight":
         return weight_dtype, [(out, inp)], sizes
     if s.fmt == "fp8_block":
@@ -341,6 +369,14 @@ def expected_header(s: MoESpec, name: str, pattern: re.Pattern | None = None
                     "compressed-tensors with strategy channel")
         return SCALE_DTYPES, [(), (1,)], why
     return SCALE_DTYPES, [(out, 1), (out,)], f"one scale per output channel of weight [{out}, {inp}]"
+
+
+def _int4_header(s: MoESpec, kind: str, out: int, inp: int, sizes: str):
+    if kind == "weight_packed":
+        return ("I32",), [(out, inp // INT4_PACK)], f"{sizes}, {INT4_PACK} int4 values per int32 along the input"
+    if kind == "weight_shape":
+        return ("I64", "I32"), [(2,)], f"[out, in] = [{out}, {inp}]"
+    return SCALE_DTYPES, [(out, inp // s.group_size)], f"weight [{out}, {inp}] in groups of {s.group_size} columns"
 
 
 def check_expert_coverage(spec: MoESpec, tensors: Mapping, root: Path) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from moetrace import outputs
 from moetrace.checkpoints.quant_config import QUANT_METHODS, scale_suffix
-from moetrace.checkpoints.spec import FAMILIES, FORMATS, FUSED_NOT_MAPPED
+from moetrace.checkpoints.spec import FAMILIES, FORMATS, FUSED_NOT_MAPPED, INT4_PACK
 from moetrace.checkpoints.synthetic_config import synthetic_config
 from moetrace.errors import MoetraceError
 
@@ -30,6 +30,8 @@ _M32 = 0xFFFFFFFF
 _FP8_BYTES = torch.tensor([b for b in range(256) if b not in (0x00, 0x7F, 0x80, 0xFF)], dtype=torch.uint8)
 _KIND = {"weight": 1, "scale": 2}
 DRAFT_VALUE_LAYER = 1 << 16  # the value-layer of the draft's (mtp.*) experts: never a target layer
+INT4_GROUP_SIZES = (32, 128)  # what make-checkpoint writes (Kimi-K2's 32, llm-compressor's default 128)
+_INT4_CYCLE = 511  # int4 words carry the expert in their low 9 bits, never all zero
 
 
 def _mix(x: torch.Tensor | int):
@@ -57,13 +59,15 @@ def synthetic_values(
 
     proj: 0 gate, 1 up, 2 down. rows/cols: global coordinates in the full
     per-expert tensor (for block scales: block indices; for per-channel scales
-    cols is 0). kind "weight" (dtype float8_e4m3fn, the default, or bfloat16) or
-    "scale" (dtype float32, the default, bfloat16 or float16).
+    cols is 0; for int4 words: cols counts words of 8 int4 values). kind "weight" (dtype
+    float8_e4m3fn, the default, bfloat16, or int32: int4 weight_packed words) or "scale"
+    (dtype float32, the default, bfloat16 or float16).
 
     Guarantees: fp8 weights are finite, nonzero e4m3fn bytes; scales are positive
     and exact in every scale dtype. At every element, two experts in the same
-    group of CYCLE ids (e // CYCLE equal; CYCLE = 252 for fp8 weights, 512
-    otherwise) hold different values, so E+1, E+2 are always visible; gate, up
+    group of CYCLE ids (e // CYCLE equal; CYCLE = 252 for fp8 weights, 511 for int4
+    words, 512 otherwise) hold different values (int4 words: in their low 9 bits,
+    which are never all zero; the other 23 bits are the position's), so E+1, E+2 are always visible; gate, up
     and down scales of one expert differ at every element. Other pairs (another
     group, layer or seed) differ at about 99% of elements.
     """
@@ -73,7 +77,8 @@ def synthetic_values(
     rows, cols = torch.broadcast_tensors(torch.as_tensor(rows, dtype=torch.int64),
                                          torch.as_tensor(cols, dtype=torch.int64))
     fp8 = kind == "weight" and dtype == torch.float8_e4m3fn
-    cycle = len(_FP8_BYTES) if fp8 else 512
+    int4 = kind == "weight" and dtype == torch.int32
+    cycle = len(_FP8_BYTES) if fp8 else _INT4_CYCLE if int4 else 512
     # The expert enters the hash only by its group; inside a group it is added
     # to the hash modulo the cycle, which makes any two differ at every element.
     base = _mix(_mix(_mix(_mix(seed + 0x1000) + layer) + 7 * proj + _KIND[kind]) + expert // cycle)
@@ -81,12 +86,15 @@ def synthetic_values(
     c = (g + expert) % cycle
     if fp8:
         return _FP8_BYTES[c].view(torch.float8_e4m3fn)
+    if int4:
+        word = (g & 0xFFFFFE00) | (c + 1)
+        return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
     # value = (1 + m/128) * 2^-x with c = (m, q) -> distinct values for distinct c:
     # 8 significant bits, exact in bf16, f16 and f32.
     m, q = (c % 128).to(torch.float32), c // 128
     if kind == "weight":
         if dtype != torch.bfloat16:
-            raise ValueError(f"weights are float8_e4m3fn or bfloat16, got {dtype}")
+            raise ValueError(f"weights are float8_e4m3fn, bfloat16 or int32 (int4 words), got {dtype}")
         x = 1 + q + 4 * ((g >> 9) & 1)  # 1..8
         sign = 1.0 - 2.0 * ((g >> 12) & 1).to(torch.float32)
         return (sign * (1.0 + m / 128.0) * torch.pow(2.0, -x.to(torch.float32))).to(dtype)
@@ -137,11 +145,13 @@ def check_fits_in_memory(moe_layers: int, experts: int, hidden: int, intermediat
 
 
 def _check_arguments(family, fmt, quant_method, block, scale_dtype, fused, sizes, dense_layers,
-                     shared_expert=False, draft=False):
+                     shared_expert=False, draft=False, group_size=None):
     """The writer's options, checked (one-line errors naming the option); returns the
     resolved (quant_method, (block_n, block_k))."""
     num_layers = sizes[0]
-    quant_method = quant_method or (None if fmt == "bf16" else "compressed-tensors" if fmt == "fp8_channel" else "fp8")
+    quant_method = quant_method or (None if fmt == "bf16" else "compressed-tensors" if fmt in ("fp8_channel", "int4")
+                                    else "fp8")
+    gs = group_size or 1
     block = (block, block) if isinstance(block, int) else tuple(block)
     checks = [
         (fmt == "bf16" or quant_method in QUANT_METHODS,
@@ -161,6 +171,13 @@ def _check_arguments(family, fmt, quant_method, block, scale_dtype, fused, sizes
         (not fused or family not in FUSED_NOT_MAPPED, f"--fused for {family}: {FUSED_NOT_MAPPED.get(family)}"),
         (not draft or family == "qwen3_5_moe", f"a draft model (mtp.*) is written for qwen3_5_moe only, got {family}"),
         (not shared_expert or family != "qwen3_moe", "qwen3_moe has no shared expert"),
+        (fmt != "int4" or quant_method == "compressed-tensors",
+         "--format int4 is compressed-tensors pack-quantized: it needs --quant-method compressed-tensors"),
+        (fmt == "int4" or group_size is None, f"--group-size goes with --format int4, got --format {fmt}"),
+        (fmt != "int4" or group_size in INT4_GROUP_SIZES,
+         f"--group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))} for --format int4, got {group_size}"),
+        (fmt != "int4" or (sizes[2] % gs == 0 and sizes[3] % gs == 0),
+         f"--hidden {sizes[2]} and --intermediate {sizes[3]} must be multiples of --group-size {gs} for --format int4"),
     ]  # fmt: skip
     for ok, message in checks:
         if not ok:
@@ -185,12 +202,17 @@ def write_synthetic_checkpoint(
     quant_method: str | None = None,
     shared_expert: bool = False,
     draft: bool = False,
+    group_size: int | None = None,
 ) -> Path:
     """Write a checkpoint directory (config.json + safetensors) and return its path.
 
-    fmt: fp8_block, fp8_channel, fp8_tensor or bf16; quant_method: "fp8" or
+    fmt: fp8_block, fp8_channel, fp8_tensor, bf16 or int4; quant_method: "fp8" or
     "compressed-tensors" (default: compressed-tensors for fp8_channel, which is how
-    per-channel FP8 ships, else fp8); block: block_n = block_k, or (block_n, block_k).
+    per-channel FP8 ships, and for int4, else fp8); block: block_n = block_k, or
+    (block_n, block_k). int4 writes compressed-tensors W4A16 pack-quantized experts as
+    llm-compressor does (``weight_packed`` int32 [out, in/8], ``weight_scale`` in
+    --scale-dtype [out, in/group_size], ``weight_shape`` int64 [out, in]); group_size
+    32 or 128 (int4 only).
     Layers [0, dense_layers) are dense (first_k_dense_replace for DeepSeek,
     mlp_only_layers for Qwen). fused=True writes the 3-D BF16 expert layout
     (mlp.experts.gate_up_proj / down_proj) instead of per-expert tensors; its
@@ -209,13 +231,13 @@ def write_synthetic_checkpoint(
 
     quant_method, block = _check_arguments(family, fmt, quant_method, block, scale_dtype, fused,
                                            (num_layers, num_experts, hidden, intermediate, num_files), dense_layers,
-                                           shared_expert, draft)
+                                           shared_expert, draft, group_size)
     out = Path(out_dir)
     outputs.check_output(str(out), "-o", kind="dir")
     if out.exists() and any(out.iterdir()):
         raise MoetraceError(f"-o {out}: output path exists and is not an empty directory")
 
-    w = _Tensors(fmt, quant_method, block, hidden, intermediate, SCALE_DTYPES[scale_dtype], seed)
+    w = _Tensors(fmt, quant_method, block, hidden, intermediate, SCALE_DTYPES[scale_dtype], seed, group_size)
     prefix = "model.language_model" if family == "qwen3_5_moe" else "model"
     w.tensors[f"{prefix}.embed_tokens.weight"] = w.filler(16, hidden)
     for L in range(num_layers):
@@ -224,7 +246,7 @@ def write_synthetic_checkpoint(
     w.tensors["lm_head.weight"] = w.filler(16, hidden)
 
     cfg = synthetic_config(family, fmt, num_layers, num_experts, hidden, intermediate, dense_layers,
-                  None if fmt == "bf16" else (quant_method, block), seed)
+                  None if fmt == "bf16" else (quant_method, block), seed, group_size=group_size)
     with outputs.new_local_dir(str(out), "-o") as tmp:  # whole or nothing: never a folder with only config.json
         _write_files(Path(tmp), cfg, w.tensors, num_files, save_file)
     return out
@@ -233,10 +255,12 @@ def write_synthetic_checkpoint(
 class _Tensors:
     """The checkpoint's tensors in write order (file assignment and filler values follow it)."""
 
-    def __init__(self, fmt: str, quant_method: str | None, block, hidden: int, intermediate: int, sdt, seed: int):
+    def __init__(self, fmt: str, quant_method: str | None, block, hidden: int, intermediate: int, sdt, seed: int,
+                 group_size: int | None = None):
         self.fmt, self.quant_method, self.block, self.H, self.I, self.sdt, self.seed = (
             fmt, quant_method, block, hidden, intermediate, sdt, seed)
-        self.wdt = torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn
+        self.group_size = group_size
+        self.wdt = {"bf16": torch.bfloat16, "int4": torch.int32}.get(fmt, torch.float8_e4m3fn)
         self.g = torch.Generator().manual_seed(seed)
         self.tensors: dict[str, torch.Tensor] = {}
 
@@ -250,8 +274,20 @@ class _Tensors:
     def expert_weight(self, L: int, e: int, p: int) -> torch.Tensor:
         return synthetic_values(L, e, p, *_grid(*self._dims(p)), "weight", self.wdt, self.seed)
 
+    def int4_expert(self, name: str, L: int, e: int) -> None:
+        """compressed-tensors pack-quantized: weight_packed words, group scales, weight_shape."""
+        for p, proj in enumerate(PROJ_NAMES):
+            out, inp = self._dims(p)
+            self.tensors[f"{name}.{proj}_proj.weight_packed"] = synthetic_values(
+                L, e, p, *_grid(out, inp // INT4_PACK), "weight", torch.int32, self.seed)
+            self.tensors[f"{name}.{proj}_proj.weight_scale"] = synthetic_values(
+                L, e, p, *_grid(out, inp // self.group_size), "scale", self.sdt, self.seed)
+            self.tensors[f"{name}.{proj}_proj.weight_shape"] = torch.tensor([out, inp], dtype=torch.int64)
+
     def expert(self, name: str, L: int, e: int) -> None:
         """`name`.{gate,up,down}_proj weights and scales: expert e of value-layer L."""
+        if self.fmt == "int4":
+            return self.int4_expert(name, L, e)
         for p, proj in enumerate(PROJ_NAMES):
             self.tensors[f"{name}.{proj}_proj.weight"] = self.expert_weight(L, e, p)
             if self.fmt != "bf16":

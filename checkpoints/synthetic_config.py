@@ -4,6 +4,17 @@ architecture, and a quantization_config as the fp8 method or compressed-tensors 
 from __future__ import annotations
 
 
+def _int4_quant_config(group_size: int, not_converted: list[str]) -> dict:
+    """W4A16 as llm-compressor writes it (compressed-tensors pack-quantized, e.g. Kimi-K2-Thinking's)."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "dynamic": False, "strategy": "group",
+               "group_size": group_size, "actorder": None, "block_structure": None, "observer": "minmax",
+               "observer_kwargs": {}}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None}},
+            "ignore": not_converted, "kv_cache_scheme": None, "global_compression_ratio": None}
+
+
 def _quant_config(fmt: str, quant_method: str, block: tuple[int, int], not_converted: list[str]) -> dict:
     """quantization_config as the fp8 method or compressed-tensors writes it (checkpoints.quant_config)."""
     if quant_method == "fp8":
@@ -24,7 +35,7 @@ def _quant_config(fmt: str, quant_method: str, block: tuple[int, int], not_conve
 
 def synthetic_config(
     family: str, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int, dense: int,
-    quant: tuple[str, tuple[int, int]] | None, seed: int
+    quant: tuple[str, tuple[int, int]] | None, seed: int, group_size: int | None = None
 ) -> dict:
     """config.json of a synthetic checkpoint of `family`, as that family's own writes it."""
     text = {
@@ -66,7 +77,8 @@ def synthetic_config(
     if quant is not None:
         gates = [f"{prefix}.layers.{L}.mlp.gate" for L in range(dense, num_layers)]
         not_converted = ["lm_head", f"{prefix}.embed_tokens"] + gates
-        quant = _quant_config(fmt, quant[0], quant[1], not_converted)
+        quant = (_int4_quant_config(group_size, not_converted) if fmt == "int4"
+                 else _quant_config(fmt, quant[0], quant[1], not_converted))
     if family == "qwen3_5_moe":
         cfg = {
             "architectures": [arch],

@@ -13,6 +13,16 @@ Definitions followed (installed files; checked against them in tests):
   rounded to e4m3); w13_weight_scale becomes that max, [E].
 - w13_swiglu_interleave: unquant.py _maybe_interleave_w13_for_fused_swiglu (0.5.23):
   w13 rows reordered gate0, up0, gate1, up1, ...
+- marlin_permute_scales: INT4 group scales as the KT fork's _prepare_weight_int4 leaves
+  them (marlin_utils.marlin_permute_scales, called per expert with size_k 2*I_tp for w13
+  and I_tp for w2): the scales in row-major order, in runs of 64, each run an 8 x 8
+  transpose; where one group spans the whole input (w2 with I_tp == group_size) runs of
+  32, each a [4, 4, 2] -> [4, 4, 2] swap of its first two axes. Written here from that
+  definition; tests hold it to SGLang's own function.
+- marlin_repack_identity: conform only (the KT fork's _prepare_weight_int4 under
+  ``moetrace conform``, whose gptq_marlin_repack is a recorded identity): the loaded INT4
+  words in the shape the Marlin repack returns, [k/16, n * 2] (bytes unchanged). A real
+  server's repacked weights are refused (checkpoints.layout_rules).
 """
 
 from __future__ import annotations
@@ -52,9 +62,43 @@ def w13_swiglu_interleave(layer: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return {**layer, "w13_weight": w13.index_select(1, idx)}
 
 
+MARLIN_RUN, MARLIN_RUN_SINGLE = 64, 32  # scales per permuted run (grouped, one group over k)
+
+
+def _marlin_runs(s: torch.Tensor, single: bool) -> torch.Tensor:
+    flat = s.contiguous().reshape(-1)
+    run = MARLIN_RUN_SINGLE if single else MARLIN_RUN
+    if flat.numel() % run:
+        raise MoetraceError(f"marlin_permute_scales: {flat.numel()} scales are not whole runs of {run}")
+    if single:
+        return flat.view(-1, 4, 4, 2).transpose(1, 2).reshape(s.shape)
+    return flat.view(-1, 8, 8).transpose(1, 2).reshape(s.shape)
+
+
+def marlin_permute_scales(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per expert: w13's scales grouped (size_k 2*I_tp exceeds any group), w2's grouped when
+    it holds more than one group per expert, else the single-group order."""
+    w13, w2 = layer["w13_weight_scale"], layer["w2_weight_scale"]
+    out13 = torch.stack([_marlin_runs(e, False) for e in w13]) if len(w13) else w13
+    out2 = torch.stack([_marlin_runs(e, e.shape[0] == 1) for e in w2]) if len(w2) else w2
+    return {**layer, "w13_weight_scale": out13, "w2_weight_scale": out2}
+
+
+def marlin_repack_identity(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = dict(layer)
+    for name in ("w13_weight_packed", "w2_weight_packed"):
+        t = layer[name]
+        if t.shape[1] % 2:
+            raise MoetraceError(f"{name}: {t.shape[1]} rows of int4 words do not make Marlin's k/16 tiles")
+        out[name] = t.reshape(t.shape[0], t.shape[1] // 2, t.shape[2] * 2)
+    return out
+
+
 TRANSFORMS = {
     "fp8_tensor_w13_requant": fp8_tensor_w13_requant,
     "w13_swiglu_interleave": w13_swiglu_interleave,
+    "marlin_permute_scales": marlin_permute_scales,
+    "marlin_repack_identity": marlin_repack_identity,
 }
 
 

@@ -11,6 +11,7 @@ from moetrace.commands.options import command, progress
 EXAMPLES = (
     "moetrace conform                       # the fork as shipped: exit 1, rank 1 holds E+2",
     "moetrace conform --patch-fence         # the seed PR's fence on the same schedule: exit 0",
+    "moetrace conform --format int4         # _prepare_weight_int4, judged before the Marlin repack: exit 1",
     "moetrace conform --fork-path ./my-fork/python --format bf16 --json-out bf16.json",
     "moetrace conform --releases 0.6.1..0.7.2 --json-out releases.json",
 )
@@ -22,8 +23,9 @@ EXAMPLES = (
                    "(default: the installed sglang-kt, or the one in the venv's kt-side folder).")
 @click.option("--format", "fmt", type=click.Choice(["fp8_block", "fp8_channel", "bf16", "int4", "mxfp4", "mxfp8"]),
               default=None, help="Expert format; the fork's load picks its _prepare_weight_* path (default fp8_block; "
-                                 "with --releases: every format). int4/mxfp4/mxfp8 are refused by name: moetrace "
-                                 "cannot reproduce their post-staging layouts.")
+                                 "with --releases: every format). int4: weights judged before the Marlin repack, "
+                                 "scales after SGLang's permute. mxfp4/mxfp8 are refused by name: moetrace cannot "
+                                 "reproduce their post-staging layouts.")
 @click.option("--tp", type=click.IntRange(2, 8), default=2, show_default=True, help="TP ranks (processes).")
 @click.option("--experts", type=click.IntRange(3, 256), default=8, show_default=True, help="Experts in the layer.")
 @click.option("--schedule", type=click.Choice(["slow-peer", "none"]), default="slow-peer", show_default=True,

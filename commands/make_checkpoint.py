@@ -16,11 +16,15 @@ EXAMPLES = (
 @click.option("--family", type=click.Choice(["qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3"]),
               default="qwen3_5_moe", show_default=True,
               help="Model family: sets architecture, config keys and tensor names.")
-@click.option("--format", "fmt", type=click.Choice(["fp8_block", "fp8_channel", "fp8_tensor", "bf16"]),
+@click.option("--format", "fmt", type=click.Choice(["fp8_block", "fp8_channel", "fp8_tensor", "bf16", "int4"]),
               default="fp8_block", show_default=True,
-              help="Expert weight format: FP8 with block, per-channel or per-tensor scales, or BF16.")
+              help="Expert weight format: FP8 with block, per-channel or per-tensor scales, BF16, or INT4 "
+                   "(compressed-tensors W4A16 pack-quantized, as llm-compressor writes it).")
 @click.option("--quant-method", type=click.Choice(["fp8", "compressed-tensors"]), default=None,
-              help="quantization_config.quant_method [default: compressed-tensors for fp8_channel, else fp8].")
+              help="quantization_config.quant_method [default: compressed-tensors for fp8_channel and int4, "
+                   "else fp8].")
+@click.option("--group-size", type=int, default=None,
+              help="int4 only: input columns per scale, 32 or 128 [default: 128].")
 @click.option("--block", default="128", show_default=True,
               help="fp8_block scale block: N (N x N) or N,K (block_n over output rows, block_k over input columns).")
 @click.option("--fused", is_flag=True,
@@ -33,7 +37,8 @@ EXAMPLES = (
 @click.option("--intermediate", type=click.IntRange(min=1), default=256, show_default=True,
               help="moe_intermediate_size; I/TP must be a multiple of 128 for fp8_block.")
 @click.option("--scale-dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="bfloat16",
-              show_default=True, help="Stored dtype of FP8 scales (SGLang holds them as float32).")
+              show_default=True, help="Stored dtype of the scales (SGLang holds FP8 scales as float32, INT4's as "
+                                      "bfloat16).")
 @click.option("--files", type=click.IntRange(min=1), default=2, show_default=True,
               help="Safetensors files; >1 writes model.safetensors.index.json.")
 @click.option("--dense-layers", type=click.IntRange(min=0), default=0, show_default=True,
@@ -41,8 +46,8 @@ EXAMPLES = (
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Changes every value (synthetic_values seed).")
 @click.option("-o", "--out", required=True, help="New or empty output directory (written whole or not at all).")
 @click.option("--json", "as_json", is_flag=True, help='Print {"path": ..., "identity": ...} instead of the path.')
-def make_checkpoint_cmd(family, fmt, quant_method, block, fused, layers, experts, hidden, intermediate, scale_dtype,
-                        files, dense_layers, seed, out, as_json) -> None:
+def make_checkpoint_cmd(family, fmt, quant_method, group_size, block, fused, layers, experts, hidden, intermediate,
+                        scale_dtype, files, dense_layers, seed, out, as_json) -> None:
     """Write a small synthetic MoE checkpoint with real names, dtypes and layout.
 
     Every expert element is a known function of (layer, expert, projection, row,
@@ -55,11 +60,13 @@ def make_checkpoint_cmd(family, fmt, quant_method, block, fused, layers, experts
     from moetrace.checkpoints.synthetic import check_fits_in_memory, parse_block, write_synthetic_checkpoint
 
     sizes = parse_block(block)
+    if fmt == "int4" and group_size is None:
+        group_size = 128
     check_fits_in_memory(layers - dense_layers, experts, hidden, intermediate, 2 if fmt == "bf16" else 1)
     path = write_synthetic_checkpoint(
         out, family=family, fmt=fmt, num_layers=layers, num_experts=experts, hidden=hidden, intermediate=intermediate,
         scale_dtype=scale_dtype, num_files=files, dense_layers=dense_layers, seed=seed, fused=fused,
-        quant_method=quant_method, block=sizes,
+        quant_method=quant_method, block=sizes, group_size=group_size,
     )
     if as_json:
         with open_checkpoint(path) as ckpt:

@@ -7,7 +7,10 @@
 - ``sim_cuda``, ``env``: the simulated CUDA runtime and the names the fork's module
   resolves to (gloo TP groups, stand-ins for affinity and NUMA);
 - ``slow_peer``: the deterministic late-reader schedule;
-- ``writer``: moetrace's writer, the stand-in for kt-kernel's;
+- ``writer``: moetrace's writer, the stand-in for kt-kernel's; ``kt_wrapper``: kt-kernel's,
+  built as the fork builds it;
+- ``marlin``: what INT4's staging calls after the copy (SGLang's own scale permute, the
+  Marlin repack as a recorded identity);
 - ``rank``: one TP rank process running cases;
 - ``releases``: installing sglang-kt releases with their kt-kernel into a cache.
 

@@ -29,6 +29,8 @@ from pathlib import Path
 from moetrace.errors import MoetraceError
 
 WRAPPER_REL = Path("sglang/srt/layers/moe/kt_ep_wrapper.py")
+MARLIN_UTILS_REL = Path("sglang/srt/layers/quantization/marlin_utils.py")  # its INT4 scale permute (conform.marlin)
+JIT_INIT_REL = Path("sglang/jit_kernel/__init__.py")  # what `from sglang.jit_kernel import X` binds (conform.marlin)
 MODULE_NAME = "sglang.srt.layers.moe.kt_ep_wrapper"
 CLASS_NAME = "SharedFullContext"
 SIDE_DIR_NAME = "kt-side"

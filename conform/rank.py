@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
-KT_METHODS = {"fp8_block": "FP8", "fp8_channel": "FP8_PERCHANNEL", "bf16": "BF16"}
+from moetrace.conform.kt_wrapper import KT_METHODS, kt_wrapper
+from moetrace.conform.writer import staged_shards
+
 FORK_FORMATS = {"fp8": "fp8_block", "fp8_channel": "fp8_channel", "bf16": "bf16", "mxfp4": "mxfp4", "mxfp8": "mxfp8"}
 
 
@@ -53,6 +54,7 @@ class RankCase:
     index: str | None = None  # the guard verifies every load against it on the rank's device (None: off)
     guard_rows: str = "all"  # "all": the whole trace for the analysis; "mismatch": production's rows
     writer_note: str = ""  # why moetrace's writer stands in (said in the writer's words)
+    group_size: int | None = None  # int4: the checkpoint's group size (the quant params the fork resolves)
 
 
 @dataclass(frozen=True)
@@ -77,16 +79,7 @@ class CaseFacts:
     placeholders: list[str]
     affinity: list
     seconds: dict = field(default_factory=dict)
-
-
-class _NoPin(TorchFunctionMode):
-    """kt-kernel allocates with pin_memory=True, which a CPU-only torch refuses:
-    drop the flag while it builds its wrapper (pinning changes no bytes)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        kwargs.pop("pin_memory", None)
-        return func(*args, **kwargs)
+    marlin: dict | None = None  # int4: what ran after staging (conform.marlin): the repack's calls, the permute's file
 
 
 class StagedLayer(torch.nn.Module):
@@ -103,10 +96,16 @@ class StagedLayer(torch.nn.Module):
 
 
 class QuantMethodStandIn:
-    """ctx.gpu_method: on the paths conform runs the fork reads only its class name."""
+    """ctx.gpu_method: on the paths conform runs the fork reads only its class name, and
+    for INT4 the quant params CompressedTensorsWNA16MoE keeps (_resolve_int4_quant_params)."""
+
+    def __init__(self, group_size: int | None = None):
+        if group_size is not None:  # a symmetric W4A16 group scheme without activation order
+            self.num_bits, self.packed_factor, self.group_size, self.actorder = 4, 8, group_size, None
+            self.strategy = "group"
 
 
-def build_context(compiled, layer: torch.nn.Module):
+def build_context(compiled, layer: torch.nn.Module, group_size: int | None = None):
     """The fork's own ``__init__`` around `layer`, with ``_build_layers`` (which needs
     SGLang's quant methods and create_weights) replaced: it installs the layer, runs the
     fork's own format detection and keeps what 0.7.x's keeps; the rest of ``__init__``
@@ -119,7 +118,7 @@ def build_context(compiled, layer: torch.nn.Module):
     def _build_layers(self, layer_, init_args, global_num_experts, moe_runner_config):
         self._global_num_experts = global_num_experts
         self.gpu_layer = layer_
-        self.gpu_method = QuantMethodStandIn()
+        self.gpu_method = QuantMethodStandIn(group_size)
         for name in detect:  # what the fork's _build_layers runs once create_weights made the params
             getattr(self, name)()
         for attr in ("is_mxfp4_quant", "is_mxfp8_quant", "is_fp8_quant", "is_fp8_channel_quant", "is_bf16_quant"):
@@ -136,27 +135,6 @@ def build_context(compiled, layer: torch.nn.Module):
 def fork_format(ctx) -> str:
     on = [f for f in FORK_FORMATS if getattr(ctx, f"_is_{f}_quant", False)]
     return FORK_FORMATS[on[0]] if len(on) == 1 else ("int4" if not on else "+".join(on))
-
-
-def kt_wrapper(checkpoint: str, fmt: str, layer: int, experts: int, hidden: int, intermediate: int,
-               mask: torch.Tensor):
-    """(rank 0's kt-kernel wrapper for one layer or None, what it is or why not), built
-    as the fork builds it (KTEPWrapperMethod.create_weights), weights from the checkpoint."""
-    method = KT_METHODS[fmt]
-    try:
-        import kt_kernel
-        from kt_kernel import KTMoEWrapper
-    except Exception as err:
-        return None, f"kt-kernel does not import here ({type(err).__name__}: {err})"
-    try:
-        with _NoPin():
-            w = KTMoEWrapper(layer_idx=layer, num_experts=experts, num_experts_per_tok=2, hidden_size=hidden,
-                             moe_intermediate_size=intermediate, gpu_experts_mask=mask, cpuinfer_threads=1,
-                             threadpool_count=1, weight_path=checkpoint, chunked_prefill_size=16, method=method)
-            w.load_weights(torch.arange(experts, dtype=torch.int64))
-    except Exception as err:
-        return None, f"kt-kernel's {method} wrapper failed here ({type(err).__name__}: {' '.join(str(err).split())})"
-    return w, f"kt-kernel {getattr(kt_kernel, '__version__', '?')} {method} wrapper ({kt_kernel.__cpu_variant__} build)"
 
 
 def writer_name(kt_version: str | None, fmt: str) -> str:
@@ -203,6 +181,12 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
                 else slow_peer.NoSchedule(runtime))
     provided, modules, env = fork_env.fork_namespace(runtime, schedule)
     src = fork.InstalledFork(Path(case.fork_file), case.fork_version, "")
+    repack = permute_from = None
+    if case.fmt == "int4":  # SGLang's own scale permute, the repack as a recorded identity (conform.marlin)
+        from moetrace.conform import marlin
+
+        permute_from, repack = marlin.permute_source(src.path, src.version), marlin.RepackIdentity()
+        provided.update(marlin.provided(runtime, repack, marlin.compile_permute(permute_from), src.path))
     methods = list(case.fence_methods)
     compiled = fork.compile_fork(src, provided, modules,
                                    patch=(lambda node, ns: fence.patch_fence(node, methods, ns)) if methods else None)
@@ -211,6 +195,10 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
     ckpt = open_checkpoint(case.checkpoint)
     mine = expected_layer(ckpt, case.layer, rank, Parallel(world))
     layer = StagedLayer({n: (tuple(v.shape), v.dtype) for n, v in mine.items()}, world, rank, case.experts, case.layer)
+    if repack is not None:
+        from moetrace.hooks.layout_facts import MARLIN_REPACK_ATTR
+
+        setattr(layer, MARLIN_REPACK_ATTR, "identity")  # the capture and the layout rules read it
     mask = torch.zeros(case.experts, dtype=torch.bool)
     mask[list(case.gpu_experts)] = True
     l2g = torch.full((case.experts,), -1, dtype=torch.int64)
@@ -223,7 +211,7 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
     guard = {"index": case.index, "guard": "record", "guard_rows": case.guard_rows} if case.index else {}
     make_hook({"out": case.traces, "run_id": case.run_id, "checkpoint_id": case.checkpoint_id, "tp_rank": rank,
                "tp_size": world, "kt": "auto", "cpu_threads": False, **guard})
-    ctx = build_context(compiled, layer)
+    ctx = build_context(compiled, layer, case.group_size)
     fmt = fork_format(ctx)
     if fmt != case.fmt:
         raise fork.ForkError(f"the fork's _detect_quant_type_from_created_weights sees {fmt} for a "
@@ -237,7 +225,8 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
                 set_phase(job, rank, writer_name(job.kt_version, case.fmt), case.fmt)
             kt_cache[key] = rank0_writer(
                 case.writer, case.checkpoint, case.fmt, case.layer, case.experts, case.hidden, case.intermediate, mask,
-                lambda: [mine] + [expected_layer(ckpt, case.layer, r, Parallel(world)) for r in range(1, world)],
+                lambda: staged_shards(case.fmt, [mine] + [expected_layer(ckpt, case.layer, r, Parallel(world))
+                                                          for r in range(1, world)]),
                 ctx.weight_names)
         w, writer, kind = kt_cache[key]
         if kind == "moetrace" and case.writer_note:
@@ -261,8 +250,12 @@ def run_case(case: RankCase, job: RankJob, rank: int, runtime, control, kt_cache
     t["done"] = time.perf_counter()
     names = list(t)
     seconds = {b: round(t[b] - t[a], 3) for a, b in zip(names, names[1:])}
+    marlin_facts = None if repack is None else {
+        "judged": marlin.JUDGED,
+        "repack": {"stand_in": "identity", **repack.summary()},
+        "permute": {"path": str(permute_from.path), "from": permute_from.origin}}
     return CaseFacts(case.run_id, writer, kind, fmt, compiled.patched, compiled.placeholders,
-                     env["sched_setaffinity"], seconds)
+                     env["sched_setaffinity"], seconds, marlin_facts)
 
 
 def cpu_isa() -> set[str]:

@@ -4,8 +4,10 @@
 ``--no-deps --target``: first the fork's wheel, whose metadata pins its kt-kernel
 from 0.7.0 on (``Requires-Dist: kt-kernel==X``); an older release gets the kt-kernel
 of the same version, else the newest one released before it. Of the fork only
-``kt_ep_wrapper.py`` and its ``dist-info`` (``RECORD``: the released file's sha256)
-are kept: conform runs nothing else of it, and a 0.7.x wheel carries 300 MB of GPU
+``kt_ep_wrapper.py``, ``marlin_utils.py`` (SGLang's INT4 scale permute, which the
+wrapper imports), ``sglang/jit_kernel/__init__.py`` (what the wrapper's import of the
+Marlin repack binds) and its ``dist-info`` (``RECORD``: the released file's sha256) are
+kept: conform runs nothing else of it, and a 0.7.x wheel carries 300 MB of GPU
 payloads. A folder is complete once its ``.moetrace-release.json`` exists.
 """
 
@@ -21,7 +23,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetrace.conform.fork import WRAPPER_REL
+from moetrace.conform.fork import JIT_INIT_REL, MARLIN_UTILS_REL, WRAPPER_REL
 from moetrace.errors import MoetraceError
 
 FORK, KERNEL = "sglang-kt", "kt-kernel"
@@ -117,9 +119,9 @@ def _prune(target: Path) -> None:
     for p in target.iterdir():
         if p.name not in ("sglang", MARK) and not p.name.startswith(KEEP):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
-    keep = target / WRAPPER_REL
-    for p in sorted((target / "sglang").rglob("*"), reverse=True):  # the fork's package: its wrapper only
-        if p.is_file() and p != keep:
+    keep = {target / WRAPPER_REL, target / MARLIN_UTILS_REL, target / JIT_INIT_REL}
+    for p in sorted((target / "sglang").rglob("*"), reverse=True):  # the fork's package: those three only
+        if p.is_file() and p not in keep:
             p.unlink()
         elif p.is_dir() and not any(p.iterdir()):
             p.rmdir()

@@ -5,7 +5,10 @@ Streams are FIFO copy-engine threads; events are markers in them; a
 queued on ``s`` (a TorchFunctionMode intercepts it) and performed later by the
 stream's thread, so the issuing thread runs ahead exactly as it does on a GPU.
 ``torch.cuda.synchronize()`` drains every stream of the process. Default-stream
-work (outside any ``torch.cuda.stream`` context) runs at once.
+work (outside any ``torch.cuda.stream`` context) runs at once. A blocking ``copy_``
+or a stream-ordered kernel (``SimRuntime.stream_ordered``: the INT4 post-processing's
+Marlin calls) issued inside a stream context runs once that stream has run what was
+queued before it, on the issuing thread (its result is used at once).
 
 A copy may carry a hold (the slow-peer schedule, schedule.py): the stream does
 not start it until the hold says so, and everything behind it waits (FIFO).
@@ -234,9 +237,11 @@ class _CopyMode(TorchFunctionMode):
         if func is torch.Tensor.copy_:
             non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
             stream = self.runtime.current_stream()
-            if non_blocking and stream is not self.runtime.default_stream:
-                self.runtime.queue_copy(stream, args[0], args[1])
-                return args[0]
+            if stream is not self.runtime.default_stream:
+                if non_blocking:
+                    self.runtime.queue_copy(stream, args[0], args[1])
+                    return args[0]
+                stream.synchronize(f"a blocking copy on {stream.name}")  # stream order, then at once
         return func(*args, **kwargs)
 
 
@@ -290,6 +295,20 @@ class SimRuntime:
     def synchronize(self) -> None:
         for s in list(self.streams):
             s.synchronize("torch.cuda.synchronize()")
+
+    def stream_ordered(self, fn):
+        """fn as a kernel: issued inside a stream context, it runs once that stream has run
+        what was queued before it (the issuing thread waits, then runs it)."""
+        rt = self
+
+        def kernel(*args, **kwargs):
+            stream = rt.current_stream()
+            if stream is not rt.default_stream:
+                stream.synchronize(f"{getattr(fn, '__name__', type(fn).__name__)} on {stream.name}")
+            return fn(*args, **kwargs)
+
+        kernel.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        return kernel
 
     def settled_version(self) -> int:
         """The control version every stream of this process was last quiet at."""

@@ -102,14 +102,14 @@ class KTWrapperStandIn:
         self.writer = writer
         self.shards = shards  # per rank: name -> [E, ...] contiguous CPU tensor
         self.names = tuple(names)
-        self.weights = tuple(n for n in self.names if n in ("w13_weight", "w2_weight"))
+        self.weights = tuple(n for n in self.names if "scale" not in n)  # INT4's: w13/w2_weight_packed
         self.scales = tuple(n for n in self.names if n not in self.weights)
         self.index = index
         self.control = control
         self.gate = gate
 
     def _pointers(self, tp_size: int, w13_weight_ptrs, w13_scale_ptrs, w2_weight_ptrs, w2_scale_ptrs) -> dict:
-        given = {"w13_weight": w13_weight_ptrs, "w2_weight": w2_weight_ptrs}
+        given = dict(zip(self.weights, (w13_weight_ptrs, w2_weight_ptrs)))
         for n in self.scales:
             given[n] = w13_scale_ptrs if n.startswith("w13") else w2_scale_ptrs
         ptrs = {k: [int(p) for p in v] for k, v in given.items()}
@@ -150,3 +150,12 @@ class KTWrapperStandIn:
 
     def sync_write_weight_scale_to_buffer(self) -> None:
         self.writer.sync()
+
+
+def staged_shards(fmt: str, shards: list[dict]) -> list[dict]:
+    """Every rank's shards as kt-kernel writes them into the host slots: the loaded layout,
+    except INT4, which is staged in the checkpoint's [out, in] orientation (the fork
+    transposes each expert after the copy)."""
+    if fmt != "int4":
+        return shards
+    return [{k: v.transpose(-2, -1).contiguous() for k, v in s.items()} for s in shards]

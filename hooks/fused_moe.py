@@ -22,12 +22,16 @@ from moetrace.tracer.capture import Tracer, cuda_graph_capturing
 from moetrace.tracer.guard import GuardMismatch
 
 LAYER_ATTRS = ("layer_id", "layer_idx", "layer_number")
+# A server's INT4 words are Marlin-repacked (checkpoints.layout_rules refuses them): only a KT
+# staged context whose repack moetrace conform replaced captures them (hooks.kt).
+INT4_WORDS = ("w13_weight_packed", "w2_weight_packed")
+RESIDENT_NAMES = tuple(n for n in TENSOR_NAMES if n not in INT4_WORDS)
 
 
-def expert_tensors(module) -> dict[str, torch.Tensor]:
+def expert_tensors(module, names: tuple[str, ...] = RESIDENT_NAMES) -> dict[str, torch.Tensor]:
     """The stacked expert params of a FusedMoE-like module, in copy order."""
     found: dict[str, torch.Tensor] = {}
-    for name in TENSOR_NAMES:
+    for name in names:
         t = getattr(module, name, None)
         if isinstance(t, torch.Tensor) and t.dim() >= 1:
             found[name] = t

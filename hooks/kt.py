@@ -26,9 +26,10 @@ import sys
 import threading
 
 from moetrace.hooks.fused_moe import expert_tensors
-from moetrace.hooks.layout_facts import kt_format, layout_facts
+from moetrace.hooks.layout_facts import MARLIN_REPACK_ATTR, kt_format, layout_facts
 from moetrace.hooks.ranks import module_ranks
 from moetrace.hooks.registration import model_of
+from moetrace.schema import COPY_ORDERS
 from moetrace.tracer.capture import Tracer
 from moetrace.tracer.guard import GuardMismatch
 
@@ -42,6 +43,7 @@ KT_MODULES = (
 )
 GPU_COPIED = -1
 # Staged formats whose tensors are not FP8/BF16 shards (hooks.layout_facts.kt_format): skipped with a note.
+# INT4 is captured where moetrace conform replaced the Marlin repack (the layer says so, MARLIN_REPACK_ATTR).
 UNCAPTURED_KT_FORMATS = ("int4", "mxfp4", "mxfp8")
 
 _ATTACHED: dict[type, "KTLoadCapture"] = {}
@@ -174,7 +176,9 @@ class KTLoadCapture:
             gpu_layer = ctx.gpu_layer
             tensors = expert_tensors(gpu_layer)
             fmt = staged_format(ctx, tensors)
-            if fmt in UNCAPTURED_KT_FORMATS:  # their payloads sit under FP8 names but are not FP8 shards
+            if fmt == "int4" and getattr(gpu_layer, MARLIN_REPACK_ATTR, None) == "identity":
+                tensors = expert_tensors(gpu_layer, COPY_ORDERS["int4"])  # conform: judged before the repack
+            elif fmt in UNCAPTURED_KT_FORMATS:  # their payloads sit under FP8 names but are not FP8 shards
                 tr.note_once(f"KT {fmt} staged contexts are not captured (moetrace captures FP8 block/channel and "
                              "BF16 staged layers; docs/compat.md)")
                 return

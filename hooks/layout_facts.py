@@ -14,6 +14,9 @@ import torch
 from moetrace.schema import TENSOR_NAMES, dtype_name
 
 FACTS_VERSION = 1
+# Set on a KT staged layer by moetrace conform, whose stand-in for gptq_marlin_repack is the
+# identity ("identity"): its INT4 words are then the loaded bytes (checkpoints.layout_rules).
+MARLIN_REPACK_ATTR = "moetrace_marlin_repack"
 # The KT fork's staged-context format flags (SharedFullContext), in the order its load()
 # dispatches on them; none set means load()'s INT4 (Marlin) branch.
 KT_FORMAT_FLAGS = (
@@ -48,6 +51,10 @@ def _attr(obj, name: str, default):
 
 def _bool(v) -> bool | None:
     return v if isinstance(v, bool) else None
+
+
+def _str(v) -> str | None:
+    return v if isinstance(v, str) else None
 
 
 def _int(v) -> int | None:
@@ -149,6 +156,7 @@ def layout_facts(module, ctx=None) -> dict:
             "mega_moe": _bool(_get(module, "_mega_moe_weights_built")),
             "amx": _bool(_get(module, "use_intel_amx_backend")),
             "intermediate_size_per_partition": _int(_get(module, "intermediate_size_per_partition")),
+            "marlin_repack": _str(_get(module, MARLIN_REPACK_ATTR)),
             "hidden_size": _int(_get(module, "hidden_size")),
             "num_local_experts": _int(_get(module, "num_local_experts")),
             "params": _param_facts(module),

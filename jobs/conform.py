@@ -52,6 +52,7 @@ class ConformResult:
     error: str = ""  # exit 2: why it could not run
     patch: dict = field(default_factory=dict)  # --patch-fence: {"methods", "diff"}
     method: str = ""  # the fork's staging method for the format
+    marlin: dict | None = None  # int4: what ran after staging, what the bytes judged are (conform.marlin)
 
 
 def experts_held(report, fmt: str, tp: int, experts: int) -> dict[int, dict[str, list]]:
@@ -110,7 +111,7 @@ def run_conform(cases: Sequence[Case], tp: int = 2, workdir: str | None = None,
                     facts["patched"], experts_held(report, c.fmt, tp, c.experts),
                     [f["sentence"] for f in doc["first_divergence"]], doc["totals"]["sentence"], seconds, report,
                     {r: m.get("guard") for r, m in read_manifests(str(wd / "traces"), run_id).items()},
-                    patch=p.patch, method=p.method)
+                    patch=p.patch, method=p.method, marlin=facts.get("marlin"))
         return [out[i] for i in range(len(plans))]
     finally:
         if temporary:
@@ -135,6 +136,7 @@ def result_doc(res: ConformResult) -> dict:
            "writer_kind": res.writer_kind, "patched": res.patched, "patch": res.patch or None,
            "held": {str(r): h for r, h in res.held.items()}, "first_divergence": res.first_divergence,
            "totals": res.totals, "seconds": res.seconds, "guard": {str(r): g for r, g in res.guard.items()},
+           "marlin": res.marlin,
            "analysis": res.report.doc if res.report is not None else None}
     doc["e_plus_k"] = e_plus_k(doc)
     return doc
@@ -158,6 +160,10 @@ def result_lines(doc: dict) -> list[str]:
         return lines + [f"run: {c['fmt']}, TP{c['tp']}, {c['experts']} experts: could not run"]
     lines.append(f"run: {c['fmt']} ({doc['method']}), TP{c['tp']}, {c['experts']} experts, schedule {c['schedule']}; "
                  f"rank 0's writer: {doc['writer']}")
+    if doc.get("marlin"):
+        m = doc["marlin"]
+        lines.append(f"judged: {m['judged']} (gptq_marlin_repack: a recorded identity, {m['repack']['calls']} calls "
+                     f"on rank 0; marlin_permute_scales: {m['permute']['from']}, {m['permute']['path']})")
     if c["schedule"] == "none":
         lines.append("note: no injected delay: a match proves nothing (the race depends on timing), "
                      "a divergence is real")

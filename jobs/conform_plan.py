@@ -13,8 +13,6 @@ from moetrace.errors import MoetraceError
 FORMATS = ("fp8_block", "fp8_channel", "bf16", "int4", "mxfp4", "mxfp8")  # what the fork's load stages
 # Layouts moetrace's expected side cannot reproduce for a staged format: (what, why).
 UNJUDGED = {
-    "int4": ("Marlin-repacked INT4 weights", "_prepare_weight_int4 repacks every staged expert for the Marlin "
-             "kernel on the GPU, and checkpoints/ writes no INT4 checkpoint"),
     "mxfp4": ("MXFP4 nibble-packed weights with UE8M0 scales", "re-swizzled for triton_kernels after staging; "
               "checkpoints/ writes no MXFP4 checkpoint"),
     "mxfp8": ("MXFP8 UE8M0 scales", "converted to block FP8 by a Triton kernel after staging; checkpoints/ writes "

@@ -21,6 +21,7 @@ from moetrace.jobs.conform_plan import FORMATS, Plan
 from moetrace.outputs import marked_folder
 
 HIDDEN, BLOCK = 256, 128  # per rank I_tp = one 128 block
+INT4_GROUP = 32  # int4: Kimi-K2's group size; I_tp = 128 holds 4 groups, 16 words per row
 WORKDIR_MARK = ".moetrace-conform"
 MARK_TEXT = "moetrace conform work folder"
 ERROR_KINDS = {"layout": "unsupported fork layout", "refused": "refused", "timeout": "the schedule stalled",
@@ -40,6 +41,15 @@ def work_folder(path: str | None) -> tuple[Path, bool]:
     return p, False
 
 
+def staged_layout(fmt: str):
+    """The layout a rank holds after the fork's load: canonical, except INT4, whose load
+    repacks (conform: its identity) and permutes the scales (checkpoints.layout_rules)."""
+    from moetrace.checkpoints.layout import CANONICAL, ServerLayout
+    from moetrace.checkpoints.layout_rules import MARLIN_PERMUTE_SCALES, MARLIN_REPACK_IDENTITY
+
+    return ServerLayout(transforms=(MARLIN_REPACK_IDENTITY, MARLIN_PERMUTE_SCALES)) if fmt == "int4" else CANONICAL
+
+
 def prepare(wd: Path, fmt: str, experts: int, tp: int) -> tuple[Path, Path, str]:
     """A one-layer synthetic Qwen3.5 checkpoint (every element a known function of
     where it sits) and its TP index; reused when the work folder has them."""
@@ -53,10 +63,11 @@ def prepare(wd: Path, fmt: str, experts: int, tp: int) -> tuple[Path, Path, str]
     if not (ck / "config.json").exists():
         shutil.rmtree(ck, ignore_errors=True)
         write_synthetic_checkpoint(ck, family="qwen3_5_moe", fmt=fmt, num_layers=1, num_experts=experts,
-                                   hidden=HIDDEN, intermediate=inter, scale_dtype="bfloat16", num_files=1)
+                                   hidden=HIDDEN, intermediate=inter, scale_dtype="bfloat16", num_files=1,
+                                   group_size=INT4_GROUP if fmt == "int4" else None)
     index = wd / f"index-{fmt}-e{experts}-i{inter}-tp{tp}.parquet"
     if not index.exists():
-        write_index(build_index(ck, tp), index)
+        write_index(build_index(ck, tp, layout=staged_layout(fmt)), index)
     return ck, index, open_checkpoint(ck).identity
 
 
@@ -106,13 +117,22 @@ def _spawn(job) -> list[dict]:
                 if p.is_alive():
                     p.kill()
                     p.join()
+    failed = sorted(r for r, v in results.items() if v.get("error"))
     for r in range(job.tp):
         path = Path(job.results) / f"rank{r}.json"
         if r not in results:
-            results[r] = json.loads(path.read_text()) if path.exists() else {
-                "rank": r, "error": f"rank {r} did not finish within {limit:.0f} s", "error_kind": "timeout",
-                "cases": []}
+            results[r] = json.loads(path.read_text()) if path.exists() else unfinished(r, failed, limit)
     return [results[r] for r in range(job.tp)]
+
+
+def unfinished(rank: int, failed: list[int], limit: float) -> dict:
+    """The result of a rank stopped without its file: after a peer failed (a peer error, so
+    the failed rank's own error is named as the cause), else out of time."""
+    if failed:
+        return {"rank": rank, "error": f"rank {rank} stopped after rank {failed[0]} failed", "error_kind": "peer",
+                "cases": []}
+    return {"rank": rank, "error": f"rank {rank} did not finish within {limit:.0f} s", "error_kind": "timeout",
+            "cases": []}
 
 
 def _rank_error(results: list[dict], logs: Path, keep: bool) -> tuple[str, str] | None:
@@ -143,7 +163,8 @@ def _rank_job(plans: list[Plan], tp: int, wd: Path, guard: str | None, timeout_s
         rank_cases.append(RankCase(run_id, c.fmt, c.schedule, tuple(p.patch.get("methods", ())), writer, str(ck),
                                    cid, str(wd / "traces"), 0, c.experts, HIDDEN, BLOCK * tp,
                                    tuple(range(1, c.experts, 4)), str(p.src.path), p.src.version,
-                                   str(index) if guard else None, guard or "all", notes.get(c.name, "")))
+                                   str(index) if guard else None, guard or "all", notes.get(c.name, ""),
+                                   INT4_GROUP if c.fmt == "int4" else None))
     logs = wd / f"ranks-{uuid.uuid4().hex[:6]}"
     logs.mkdir()
     kt = plans[0].fork

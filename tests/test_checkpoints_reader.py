@@ -101,11 +101,12 @@ def test_compressed_tensors_fp8_schemes(weights, want):
 
 
 def test_compressed_tensors_non_fp8_refused():
-    w = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+    """W8A16 (8-bit int) is neither FP8 nor INT4: refused by name (INT4: tests/test_checkpoints_int4.py)."""
+    w = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
     cfg = {"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 2, "num_experts": 8, "hidden_size": 64,
            "moe_intermediate_size": 64, "quantization_config": {"quant_method": "compressed-tensors",
                                                                "config_groups": {"group_0": {"weights": w}}}}
-    with pytest.raises(MoetraceError, match=r"config_groups.group_0 quantizes weights as 'int' 4-bit, strategy 'group'"):
+    with pytest.raises(MoetraceError, match=r"config_groups.group_0 quantizes weights as 'int' 8-bit, strategy 'group'"):
         spec_from_config(cfg, "config.json")
 
 

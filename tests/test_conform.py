@@ -41,6 +41,7 @@ MASK = tuple(range(1, E, 4))  # the GPU mask conform hands to load: experts 1 an
 WRAPPER = fork_source.WRAPPER_REL
 OLD_RELEASE = Path(sys.prefix) / "kt-releases" / "sglang-kt-0.5.2"  # Makefile: before 0.6.4's all-staged FP8
 FP8 = "_prepare_weight_fp8"
+INT4 = "_prepare_weight_int4"
 # The hand-written fences, right and wrong (moetrace's text, placed by ast below).
 READER_WAIT = "if {i} > 0 and {i} + 1 < {n}:\n    {ev}[{i} - 1].synchronize()"
 RANK0_WAIT = "if {i} > 0 and {i} + 1 < {n} and get_tensor_model_parallel_rank() == 0:\n    {ev}[{i} - 1].synchronize()"
@@ -111,7 +112,8 @@ def fence_by_hand(fn: ast.FunctionDef, variant: str) -> None:
     wait = next(n.func.value for n in ast.walk(loop) if isinstance(n, ast.Call)
                 and getattr(n.func, "attr", "") == "synchronize" and isinstance(n.func.value, ast.Subscript))
     i, ev = wait.slice.left.id, wait.value.id
-    n = f"len({ast.unparse(loop.iter.args[0])})"
+    count = ast.unparse(loop.iter.args[0])
+    n = count if loop.iter.func.id == "range" else f"len({count})"  # INT4: for e in range(num_experts)
     refill = next(k for k, s in enumerate(loop.body) if _calls(s) & writes)
     at = refill if where == "before" else refill + 1
     loop.body[at:at] = _stmts(reader, i=i, n=n, ev=ev)
@@ -173,6 +175,12 @@ def run_cases(work: Path) -> dict:
     }
     for v in VARIANTS:
         cases[v] = Case("fp8_block", "slow-peer", False, "kt-kernel", E, str(hand_fenced(work / f"fork-{v}", v)))
+    # INT4: kt-kernel's RAWINT4 writer, one more set of rank processes (one per kt-kernel method)
+    cases["int4_shipped"] = Case("int4", "slow-peer", False, "kt-kernel", E)
+    cases["int4_patched"] = Case("int4", "slow-peer", True, "kt-kernel", E)
+    cases["int4_event_sync_without_barrier"] = Case(
+        "int4", "slow-peer", False, "kt-kernel", E,
+        str(hand_fenced(work / "fork-int4-event-sync", "event_sync_without_barrier", INT4)))
     if old is not None:
         cases["old"] = Case("fp8_block", "slow-peer", False, "kt-kernel", E, str(old))
         cases["old_patched"] = Case("fp8_block", "slow-peer", True, "kt-kernel", E, str(old))
@@ -300,7 +308,7 @@ def test_guard_in_the_forks_load_counts_what_the_analysis_finds(conform_runs):
     mismatch counter is exactly its divergent rows in the analysis; the patched fork keeps
     every counter at zero with full coverage; the line counts loads as the record does."""
     docs = conform_runs[0]
-    for name in ("shipped", "channel", "bf16", "patched", "bf16_patched"):
+    for name in ("shipped", "channel", "bf16", "patched", "bf16_patched", "int4_shipped", "int4_patched"):
         doc = docs[name]
         rows = doc["analysis"]["divergent_rows"]
         for rank in range(2):
@@ -339,6 +347,35 @@ def test_a_writer_dying_by_sigill_is_named_and_moetraces_writer_stands_in(confor
     assert doc["exit_code"] == 1  # the fork as shipped is still caught, with moetrace's writer
 
 
+def test_int4_shipped_is_caught_patched_passes_wrong_fence_caught(conform_runs):
+    """The fork's own _prepare_weight_int4: every expert staged in id order, so the late
+    reader holds E+2 in all four tensors; the AST-derived fence passes; a wrong fence
+    (each rank syncs its own event, no barrier) is caught. What rank 0 holds equals the
+    expected side (transposed shards, the identity's shape, moetrace's own permutation),
+    so the fork's transposes and SGLang's marlin_permute_scales reproduce it."""
+    docs = conform_runs[0]
+    doc = docs["int4_shipped"]
+    assert doc["exit_code"] == 1 and doc["method"] == INT4 and doc["e_plus_k"] == [2]
+    for tensor in COPY_ORDERS["int4"]:
+        assert held(doc, 0, tensor) == list(range(E))
+        assert held(doc, 1, tensor) == expected_held(list(range(E))) == [2, 3, 4, 5, 4, 5]
+    assert "rank 1, expert 0: w13_weight_packed holds expert 2 (E+2)" in doc["first_divergence"][0]
+    m = doc["marlin"]
+    assert m["judged"] == "weights judged before the Marlin repack, scales after SGLang's permute"
+    assert m["repack"]["stand_in"] == "identity" and m["repack"]["calls"] == 2 * E  # rank 0: w13 and w2 per expert
+    # [size_k, size_n, num_bits] of w2 then w13: hidden 256, I_tp 128 (jobs.conform_ranks)
+    assert m["repack"]["shapes"] == [[128, 256, 4], [256, 256, 4]]
+    assert m["permute"]["path"].endswith("sglang/srt/layers/quantization/marlin_utils.py")
+    assert "judged: weights judged before the Marlin repack" in "\n".join(result_lines(doc))
+    _clean(docs["int4_patched"])
+    assert docs["int4_patched"]["patched"] == [INT4]
+    wrong = docs["int4_event_sync_without_barrier"]
+    assert wrong["exit_code"] == 1 and wrong["e_plus_k"] and wrong["patched"] == [], (wrong["totals"], wrong["error"])
+    if REQUIRE:
+        assert doc["writer_kind"] == "kt-kernel" and doc["writer"].startswith("kt-kernel 0.7.2 RAWINT4 wrapper")
+        assert m["permute"]["from"] == "sglang-kt 0.7.2's own"
+
+
 def test_signal_words_name_the_isa():
     assert signal_words(-4, "kt-kernel 0.6.4's FP8 writer", {"avx", "avx2"})[1].startswith(
         "kt-kernel 0.6.4's FP8 writer needs AVX-512: illegal instruction")
@@ -351,7 +388,7 @@ def test_result_lines_name_the_stale_experts(conform_runs):
     text = "\n".join(result_lines(doc))
     assert "DIVERGENT" in text and "rank 1 w13_weight/w13_weight_scale_inv/w2_weight/w2_weight_scale_inv: " \
                                     "experts 0..5 hold [2, 3, 4, 5, 4, 5]" in text
-    assert (doc["schema"], doc["version"], doc["analysis"]["status"]) == ("moetrace.conform", 2, "divergent")
+    assert (doc["schema"], doc["version"], doc["analysis"]["status"]) == ("moetrace.conform", 3, "divergent")
     assert result_lines(doc)[-1].startswith("DIVERGENT: ")  # the verdict is the last line
     assert result_lines(conform_runs[0]["patched"])[-1].startswith("PASS: every rank holds its shard")
 
@@ -402,13 +439,15 @@ def test_requirements_of_a_release_before_0_7():
     assert req.dispatch["fp8_block"] == FP8 and "mxfp4" not in req.dispatch
 
 
-def test_int4_is_refused_by_name_with_a_document(tmp_path):
-    out = tmp_path / "int4.json"
-    r = CliRunner().invoke(main, ["conform", "--format", "int4", "--json-out", str(out)])
+@pytest.mark.parametrize("fmt, method, words", [("mxfp4", "_prepare_weight_mxfp4", "triton_kernels"),
+                                                ("mxfp8", "_prepare_weight_mxfp8", "Triton kernel")])
+def test_mxfp4_and_mxfp8_are_refused_by_name_with_a_document(tmp_path, fmt, method, words):
+    out = tmp_path / f"{fmt}.json"
+    r = CliRunner().invoke(main, ["conform", "--format", fmt, "--json-out", str(out)])
     installed_fork()
-    assert r.exit_code == 2 and "_prepare_weight_int4" in r.output and "Marlin" in r.output
+    assert r.exit_code == 2 and method in r.output and words in r.output and len(r.output.splitlines()) == 1
     doc = json.loads(out.read_text())
-    assert (doc["exit_code"], doc["status"], doc["method"]) == (2, "refused", "_prepare_weight_int4")
+    assert (doc["exit_code"], doc["status"], doc["method"]) == (2, "refused", method)
 
 
 def test_json_out_is_checked_before_the_run(tmp_path):
@@ -574,3 +613,98 @@ def test_a_held_copy_runs_when_its_issuer_waits_for_it():
     after.synchronize()  # waits for post_stream, which waits for the copy
     assert copied.query() and dst[0].tolist() == src.tolist()
     rt.close()
+
+
+def test_a_stream_ordered_kernel_and_a_blocking_copy_wait_for_their_stream():
+    """INT4's post-processing on the post stream: the transposes are queued copies, the
+    Marlin calls and the blocking copies after them must see them done (stream order)."""
+    rt = sim_cuda.SimRuntime(0, timeout_s=10)
+    cuda = rt.cuda_module()
+    gate = {"open": False}
+
+    class Until(sim_cuda.Hold):
+        label = "test hold"
+
+        def releasable(self, demanded):
+            return gate["open"] or demanded
+
+    src, dst, out = torch.arange(4.0), torch.zeros(4), torch.zeros(4)
+    rt.copy_hook = lambda d, x: Until()
+    seen = []
+    kernel = rt.stream_ordered(lambda t: seen.append(t.tolist()) or t * 2)
+    s = cuda.Stream()
+    with cuda.stream(s):
+        dst.copy_(src, non_blocking=True)  # held until the kernel demands it
+        doubled = kernel(dst)
+        out.copy_(doubled)  # blocking: at once, after the kernel
+    assert seen == [src.tolist()] and out.tolist() == (src * 2).tolist()
+    outside = rt.stream_ordered(lambda: "ran")  # on the default stream: at once
+    assert outside() == "ran"
+    rt.close()
+
+
+def test_repack_identity_returns_its_input_and_refuses_what_it_cannot_stand_for():
+    from moetrace.conform.marlin import RepackIdentity
+
+    rep = RepackIdentity()
+    words = torch.arange(32 * 256, dtype=torch.int32).view(32, 256)
+    got = rep(words, torch.empty(0, dtype=torch.int32), 256, 256, 4)
+    assert torch.equal(got, words) and got.data_ptr() != words.data_ptr()
+    assert rep.summary() == {"calls": 1, "shapes": [[256, 256, 4]]}
+    for args in ((128, 256, 4), (256, 256, 8)):
+        with pytest.raises(fork_source.ForkError, match="gptq_marlin_repack called with words"):
+            rep(words, torch.empty(0, dtype=torch.int32), *args)
+    with pytest.raises(fork_source.ForkError, match="perm of 3"):
+        rep(words, torch.zeros(3, dtype=torch.int32), 256, 256, 4)
+
+
+def test_marlin_permute_scales_compiled_from_the_fork_or_upstream(tmp_path):
+    """conform runs the fork's own marlin_utils.marlin_permute_scales (compiled from its file),
+    else the installed sglang's; both equal moetrace's own definition of the permutation."""
+    from moetrace.checkpoints.transforms import marlin_permute_scales
+    from moetrace.conform import marlin
+
+    src = installed_fork()
+    own = marlin.permute_source(src.path, src.version)
+    assert own.origin == f"sglang-kt {src.version}'s own" and own.path.name == "marlin_utils.py"
+    bare = tmp_path / WRAPPER
+    bare.parent.mkdir(parents=True)
+    shutil.copyfile(src.path, bare)
+    up = marlin.permute_source(bare, "x")
+    assert up.path != own.path and up.origin.startswith("sglang ") and "ships no" in up.origin
+    s13, s2 = torch.randn(2, 8, 256).to(torch.bfloat16), torch.randn(2, 1, 256).to(torch.bfloat16)
+    want = marlin_permute_scales({"w13_weight_scale": s13, "w2_weight_scale": s2})
+    for source in (own, up):
+        f = marlin.compile_permute(source)
+        assert torch.equal(torch.stack([f(e, 256, 256, 32).view(e.shape) for e in s13]), want["w13_weight_scale"])
+        assert torch.equal(torch.stack([f(e, 32, 256, 32).view(e.shape) for e in s2]), want["w2_weight_scale"])
+
+
+def test_a_rank_stopped_after_a_peer_failed_is_not_named_as_the_cause(tmp_path):
+    """sglang-kt 0.6.3's INT4 path fails on its first Marlin call on every rank; a rank the
+    command stops before it wrote its result was reported as a stall and named first."""
+    from moetrace.jobs.conform_ranks import _rank_error, unfinished
+
+    crashed = {"rank": 1, "error": "TypeError: 'module' object is not callable", "error_kind": "crash"}
+    kind, line = _rank_error([unfinished(0, [1], 360), crashed], tmp_path, True)
+    assert kind == "crash" and "rank 1: TypeError: 'module' object is not callable" in line
+    assert unfinished(0, [], 360)["error_kind"] == "timeout"
+
+
+def test_from_jit_kernel_import_binds_what_the_forks_package_says(tmp_path):
+    """`from sglang.jit_kernel import gptq_marlin_repack` (sglang-kt 0.6.3) binds the name its
+    package's __init__.py defines, else the submodule, which the fork's INT4 path then calls."""
+    from moetrace.conform.marlin import jit_package_binding
+
+    wrapper = tmp_path / WRAPPER
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text("")
+    init = tmp_path / "sglang" / "jit_kernel" / "__init__.py"
+    with pytest.raises(fork_source.ForkError, match="no sglang/jit_kernel/__init__.py beside the wrapper"):
+        jit_package_binding(wrapper, print)(1)
+    init.parent.mkdir(parents=True)
+    init.write_text("")
+    module = jit_package_binding(wrapper, print)
+    assert module.gptq_marlin_repack is print and not callable(module)
+    init.write_text("from .gptq_marlin_repack import gptq_marlin_repack\n")
+    assert jit_package_binding(wrapper, print) is print

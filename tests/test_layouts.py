@@ -72,9 +72,26 @@ def test_rules(change, source, want):
     assert derive_layout({**BASE, **change}, "fp8_block", 256, source) == want
 
 
+def test_int4_staged_by_conform_is_judged_before_the_repack():
+    """A KT INT4 context whose gptq_marlin_repack conform replaced by its identity (the layer
+    says so): the words as loaded in the repack's shape, the scales permuted; a server's
+    INT4 layer (no such fact), or one with the real repack, is refused."""
+    facts = {**BASE, "kt_format": "int4", "marlin_repack": "identity"}
+    assert derive_layout(facts, "int4", 256, "staged") == ServerLayout(
+        transforms=("marlin_repack_identity", "marlin_permute_scales"))
+    for repack in (None, "gptq_marlin_repack"):
+        with pytest.raises(LayoutRefused, match="Marlin-repacked INT4 weights"):
+            derive_layout({**facts, "marlin_repack": repack}, "int4", 256, "staged")
+    params = {"w13_weight_packed": {"shape": [8, 32, 256], "dtype": "int32"}}
+    with pytest.raises(LayoutRefused, match="Marlin-repacked weights"):  # a resident INT4 layer
+        derive_layout({**BASE, "params": params, "marlin_repack": "identity"}, "int4", 256, "resident")
+
+
 def test_rules_refuse_by_name():
-    with pytest.raises(LayoutRefused, match=r"^run r rank 1 layer 7 \(resident\): the server holds a KT int4"):
-        derive_layout({**BASE, "kt_format": "int4"}, "fp8_block", 256, "staged", where="run r rank 1 layer 7 (resident)")
+    with pytest.raises(LayoutRefused, match=r"^run r rank 1 layer 7 \(resident\): the server holds a KT mxfp4"):
+        derive_layout({**BASE, "kt_format": "mxfp4"}, "fp8_block", 256, "staged", where="run r rank 1 layer 7 (resident)")
+    with pytest.raises(LayoutRefused, match=r"^w: the server holds Marlin-repacked INT4 weights \(_prepare_weight_int4"):
+        derive_layout({**BASE, "kt_format": "int4"}, "int4", 256, "staged", where="w")
     with pytest.raises(LayoutRefused, match="128 intermediate rows per rank"):
         derive_layout({**BASE, "intermediate_size_per_partition": 128}, "fp8_block", 256)
     with pytest.raises(LayoutRefused, match="per-tensor FP8 scales beside up-first weights"):

@@ -4,8 +4,10 @@ the sglang-kt fork, compiled from the installed files by support.sglang_source.
 ``build(root)`` compiles, from the installed tree at `root`:
 - FusedMoE's loader (weight_loader and every path it takes for weights, block /
   per-channel / per-tensor scales, make_expert_params_mapping),
-- the create_weights of Fp8MoEMethod, UnquantizedFusedMoEMethod and
-  CompressedTensorsW8A8Fp8MoE (parameter shapes, dtypes and scale attributes),
+- the create_weights of Fp8MoEMethod, UnquantizedFusedMoEMethod,
+  CompressedTensorsW8A8Fp8MoE and CompressedTensorsWNA16MoE (parameter shapes, dtypes,
+  scale attributes; INT4's is_transposed params),
+- marlin_permute_scales (marlin_utils.py), the scale permutation the INT4 Marlin path runs,
 - the post-load steps moetrace reproduces (FP8 per-tensor w13 requant, the SwiGLU
   interleave, compressed-tensors' swap_w13_to_w31),
 - Qwen3_5MoeForCausalLM.load_weights (checkpoint names -> weight_loader calls, the
@@ -35,6 +37,8 @@ FP8 = "sglang/srt/layers/quantization/fp8.py"
 UNQUANT = "sglang/srt/layers/quantization/unquant.py"
 QUTILS = "sglang/srt/layers/quantization/utils.py"
 CT_FP8 = "sglang/srt/layers/quantization/compressed_tensors/schemes/compressed_tensors_w8a8_fp8_moe.py"
+CT_WNA16 = "sglang/srt/layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16_moe.py"
+MARLIN_UTILS = "sglang/srt/layers/quantization/marlin_utils.py"
 WUTILS = "sglang/srt/model_loader/weight_utils.py"
 MOE_UTILS = "sglang/srt/layers/moe/utils.py"
 COMMON = "sglang/srt/utils/common.py"
@@ -166,6 +170,9 @@ def build(root: str) -> types.SimpleNamespace:
          "_maybe_interleave_w13_for_fused_swiglu", "get_moe_runner_backend"], bases=["FusedMoEMethodBase"])
     cls(CT_FP8, "CompressedTensorsW8A8Fp8MoE", ["create_weights", "process_weights_after_loading"],
         bases=["CompressedTensorsMoEScheme"])
+    ns["GPTQMarlinState"] = enum.Enum("GPTQMarlinState", ["REPACK", "READY"])
+    cls(CT_WNA16, "CompressedTensorsWNA16MoE", ["create_weights"], bases=["CompressedTensorsMoEScheme"])
+    top(MARLIN_UTILS, ["get_scale_perms", "marlin_permute_scales"])
     cls(LAYER, "FusedMoE", LOADER, LOADER_HELPERS, bases=["torch.nn.Module"])
     ns["FusedMoE"].__module__ = "sglang.srt.layers.moe.fused_moe_triton.layer"
     cls(QWEN35, "Qwen3_5MoeForCausalLM", ["load_weights"])
@@ -225,7 +232,7 @@ def _build_deepseek(src: Source, ns: dict) -> None:
 # ------------------------------------------------------------------ one rank's layer
 
 
-def _method(o, fmt: str, quant_method: str | None, block, runner: str, up_first_method: bool):
+def _method(o, fmt: str, quant_method: str | None, block, runner: str, up_first_method: bool, group_size=None):
     """(layer.quant_method, layer.scheme or None, layer.quant_config) as SGLang picks them."""
     trtllm = runner in TRTLLM
     if fmt == "bf16":
@@ -235,6 +242,11 @@ def _method(o, fmt: str, quant_method: str | None, block, runner: str, up_first_
         m._cache_permute_indices, m.runner, m._aiter_runner = {}, types.SimpleNamespace(runner_backend=Backend(runner)), None
         return m, None, None
     S = QuantizationStrategy
+    if fmt == "int4":  # CompressedTensorsWNA16MoE.__init__ for a symmetric group scheme, no actorder
+        sch = o.ns["CompressedTensorsWNA16MoE"].__new__(o.ns["CompressedTensorsWNA16MoE"])
+        sch.num_bits, sch.packed_factor, sch.strategy, sch.group_size = 4, 8, "group", group_size
+        sch.actorder, sch.sym, sch.num_gpu_experts = None, True, -1
+        return types.SimpleNamespace(), sch, types.SimpleNamespace(get_name=lambda: "compressed-tensors")
     if quant_method == "compressed-tensors":
         strategy = {"fp8_block": S.BLOCK, "fp8_channel": S.CHANNEL, "fp8_tensor": S.TENSOR}[fmt]
         sch = o.CompressedTensorsW8A8Fp8MoE.__new__(o.CompressedTensorsW8A8Fp8MoE)
@@ -257,7 +269,7 @@ def _method(o, fmt: str, quant_method: str | None, block, runner: str, up_first_
 
 def make_layer(o, *, layer_id: int, num_experts: int, hidden: int, intermediate: int, tp_size: int, ep_size: int,
                tp_rank: int, fmt: str, quant_method: str | None = "fp8", block=None, runner: str = "triton",
-               up_first_method: bool = False):
+               up_first_method: bool = False, group_size: int | None = None):
     """One rank's FusedMoE with the attributes FusedMoE.__init__ sets for this
     configuration (layer.py ~341-560) and params from the quant method's own create_weights."""
     o.state.backend, o.state.tp_size = Backend(runner), tp_size
@@ -282,7 +294,7 @@ def make_layer(o, *, layer_id: int, num_experts: int, hidden: int, intermediate:
     layer.moe_runner_config = types.SimpleNamespace(is_gated=True, activation="silu", gemm1_alpha=None,
                                                     gemm1_clamp_limit=None, swiglu_limit=None,
                                                     apply_router_weight_on_input=False)
-    qm, scheme, qc = _method(o, fmt, quant_method, block, runner, up_first_method)
+    qm, scheme, qc = _method(o, fmt, quant_method, block, runner, up_first_method, group_size)
     layer.quant_method, layer.quant_config, layer.weight_load_method = qm, qc, None
     if scheme is not None:  # compressed-tensors sets layer.scheme; otherwise the class default stays
         layer.scheme = scheme
