@@ -97,12 +97,12 @@ demo: $(VENV)/.installed
 	@$(VENV)/bin/moetrace demo
 
 # The linter first (pyproject.toml: imports sorted, line length), then the suite.
-# MOETRACE_REQUIRE_FORK / _VLLM_SERVER: the tests that run the fork's code or the real vLLM
-# server fail (not skip) without them. The two venvs install side by side (-j2).
+# MOETRACE_REQUIRE_FORK / _VLLM_SERVER / _SGLANG_SERVER: the tests that run the fork's code or
+# the real vLLM or SGLang server fail (not skip) without them. The venvs install side by side (-j2).
 test:
 	@$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed
 	@$(VENV)/bin/ruff check .
-	MOETRACE_REQUIRE_FORK=1 MOETRACE_REQUIRE_VLLM_SERVER=1 $(PY) -m pytest -q
+	MOETRACE_REQUIRE_FORK=1 MOETRACE_REQUIRE_VLLM_SERVER=1 MOETRACE_REQUIRE_SGLANG_SERVER=1 $(PY) -m pytest -q
 
 # Every sglang-kt release on the package index, each with its kt-kernel (network; minutes):
 # the release x format table of docs/conform.md.

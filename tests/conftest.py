@@ -116,7 +116,8 @@ class DemoRun:
 
 # Fixtures backed by a background session job (support.session_jobs): started once
 # collection shows a selected test uses one, and those tests run last.
-JOB_FIXTURES = {"demo_run": "demo", "gpu_script_dry_run": "gpu-dry-run", "conform_runs": "conform", "vllm_runs": "vllm"}
+JOB_FIXTURES = {"demo_run": "demo", "gpu_script_dry_run": "gpu-dry-run", "conform_runs": "conform", "vllm_runs": "vllm",
+                "sglang_runs": "sglang"}
 
 
 def _uses_job(item) -> bool:

@@ -1,6 +1,7 @@
 """Runs that happen once per test session, whichever pytest-xdist worker asks first.
 
-Jobs (the demo pair, the GPU script's dry run, conform's cases, the real vLLM server) are commands started in the background as
+Jobs (the demo pair, the GPU script's dry run, conform's cases, the real vLLM and SGLang servers,
+one server at a time) are commands started in the background as
 soon as collection shows that a selected test needs one, so they run beside the cheap
 tests instead of holding a worker; their fixtures wait for the result. ``once`` runs a
 function in the asking process under a file lock, for module-scoped servers.
@@ -58,8 +59,18 @@ def _vllm(folder: Path) -> dict:
     return run_all(folder)
 
 
+def _sglang(folder: Path) -> dict:
+    """The real SGLang CPU server at TP2: selftest --server, a launch across a weight update,
+    a killed rank (support.sglang_server)."""
+    from support.sglang_server import run_all
+
+    return run_all(folder)
+
+
 JOBS: dict[str, Callable[[Path], dict]] = {"demo": _demo, "gpu-dry-run": _gpu_dry_run, "conform": _conform,
-                                           "vllm": _vllm}
+                                           "vllm": _vllm, "sglang": _sglang}
+# The real servers each bind one core per TP rank: one at a time, so neither starves the other.
+SERVER_JOBS = ("vllm", "sglang")
 
 
 def _paths(root: Path, name: str) -> tuple[Path, Path, Path]:
@@ -80,7 +91,7 @@ def start(root: Path, name: str) -> None:
         started.write_text(str(proc.pid))
 
 
-def result(root: Path, name: str, timeout: float = 900.0) -> dict:
+def result(root: Path, name: str, timeout: float = 1800.0) -> dict:
     """Job ``name``'s result, waiting for it (started here if nobody did)."""
     start(root, name)
     _, done, started = _paths(root, name)
@@ -122,7 +133,12 @@ def once(root: Path, name: str, make: Callable[[Path], dict]) -> dict:
 
 
 def main(name: str, folder: str, result_path: str) -> None:
-    doc = JOBS[name](Path(folder))
+    if name in SERVER_JOBS:
+        with open(Path(folder).parent / "real-servers.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            doc = JOBS[name](Path(folder))
+    else:
+        doc = JOBS[name](Path(folder))
     tmp = Path(result_path + ".tmp")
     tmp.write_text(json.dumps(doc))
     os.replace(tmp, result_path)
