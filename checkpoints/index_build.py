@@ -20,24 +20,24 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moetrace import __version__, outputs
 from moetrace import fingerprint as fpdef
-from moetrace.checkpoints import index_cache
+from moetrace.checkpoints import arrow_columns, index_cache, index_cpu
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
 from moetrace.checkpoints.reader import Checkpoint, as_slice, draft_checkpoint, open_checkpoint
 from moetrace.checkpoints.safetensors_file import host_copy
+from moetrace.checkpoints.shard_cuts import Parallel, validate_moe_tp
 from moetrace.checkpoints.spec import MoESpec
 from moetrace.errors import MoetraceError
 from moetrace.schema import INDEX_SCHEMA, INDEX_SCHEMA_VERSION, copy_position, dtype_name, format_ids
 
-if TYPE_CHECKING:  # torch and the shard builder load only when an index is built: a cache hit needs neither
+if TYPE_CHECKING:  # torch loads only where checkpoints.shards cuts: the CPU path and a cache hit need none
     import torch
-
-    from moetrace.checkpoints.shards import Parallel
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class IndexStats:
     extra: dict = field(default_factory=dict)
 
 
-def _add_rows(cols: dict[str, list], name: str, stacked: torch.Tensor, prints, first: int, stats: IndexStats) -> None:
+def _add_rows(cols: dict[str, list], name: str, stacked: torch.Tensor, prints, first: int) -> None:
     per_shape = list(stacked.shape[1:])
     for expert, f in enumerate(prints, start=first):  # expected_experts stacks the experts in id order
         cols["expert"].append(expert)
@@ -72,7 +72,6 @@ def _add_rows(cols: dict[str, list], name: str, stacked: torch.Tensor, prints, f
         cols["nbytes"].append(f.nbytes)
         cols["digest"].append(f.digest)
         cols["chunk_digests"].append(f.chunk_digests)
-        stats.bytes_fingerprinted += f.nbytes
 
 
 class ColumnCuts:
@@ -106,13 +105,20 @@ _BLOCK_BYTES = 64 << 20  # expert bytes read and fingerprinted at a time: reused
 _BUFFERS = threading.local()  # per worker thread: the last block, refilled by the next one
 
 
+# Device nodes without which torch sees no GPU (NVIDIA; ROCm's kfd; WSL's dxg): --device auto
+# asks torch (seconds of import) only where one exists.
+_GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
 def resolve_device(device: str) -> str:
     """--device auto: CUDA when torch sees a device, else the CPU; cuda without one: one line."""
+    if device == "cpu" or (device == "auto" and not any(os.path.exists(p) for p in _GPU_NODES)):
+        return "cpu"
     import torch
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device != "cpu" and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise MoetraceError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
     return device
 
@@ -145,7 +151,8 @@ def _block_rows(ckpt: Checkpoint, model: str, par: Parallel, layer: int, experts
     if reads is None or reads.ckpt is not ckpt:
         reads = _BUFFERS.reads = ColumnCuts(ckpt)
     last = getattr(_BUFFERS, "last", {})
-    cols: dict[str, list] = {f.name: [] for f in INDEX_SCHEMA}
+    cols: dict[str, list] = {k: [] for k in ("expert", "tensor", "copy_position", "dtype", "shape", "nbytes", "digest",
+                                             "chunk_digests", "moe_tp_rank")}
     try:
         for r in range(par.moe_tp_size):
             t0 = time.perf_counter()
@@ -153,7 +160,7 @@ def _block_rows(ckpt: Checkpoint, model: str, par: Parallel, layer: int, experts
             t1 = time.perf_counter()
             n0 = len(cols["expert"])
             for name, stacked in shards.items():
-                _add_rows(cols, name, stacked, _fingerprint_rows(stacked, device), experts.start, stats)
+                _add_rows(cols, name, stacked, _fingerprint_rows(stacked, device), experts.start)
             cols["moe_tp_rank"] += [r] * (len(cols["expert"]) - n0)
             stats.seconds_read += t1 - t0
             stats.seconds_fingerprint += time.perf_counter() - t1
@@ -163,8 +170,6 @@ def _block_rows(ckpt: Checkpoint, model: str, par: Parallel, layer: int, experts
     _BUFFERS.last = {k: v for k, v in last.items() if k[1] == len(experts)}
     n = len(cols["expert"])
     cols["model"], cols["layer"] = [model] * n, [layer] * n
-    cols["tp_size"], cols["ep_size"], cols["moe_dp_size"] = [par.tp_size] * n, [par.ep_size] * n, [par.moe_dp_size] * n
-    cols["moe_tp_size"] = [par.moe_tp_size] * n
     return cols
 
 
@@ -190,14 +195,15 @@ def build_index(
     progress: Callable[[int], None] | None = None,
     stats: IndexStats | None = None,
     moe_dp_size: int = 1,
+    cutter: str = "auto",
 ) -> pa.Table:
     """Fingerprint every expected shard; returns an INDEX_SCHEMA table.
 
     progress(n) is called with the number of (model, layer, moe_tp_rank) units finished.
+    cutter: "auto" (on the CPU, shards planned as bytes of the files and hashed where they
+    lie, checkpoints.index_cpu, wherever that is exact; else checkpoints.shards' tensors),
+    "torch" (checkpoints.shards' tensors always: the path the plans are held to in tests).
     """
-
-    from moetrace.checkpoints.shards import Parallel, validate_moe_tp
-
     stats = stats if stats is not None else IndexStats()
     ckpt = open_checkpoint(checkpoint)
     spec = ckpt.spec
@@ -208,6 +214,20 @@ def build_index(
     draft, draft_why = draft_checkpoint(ckpt)
     models = [("target", ckpt, wanted)] + ([("draft", draft, list(draft.spec.moe_layers))] if draft else [])
     layer_units = [(model, c, layer) for model, c, ls in models for layer in ls]
+    if cutter == "auto" and device == "cpu" and all(index_cpu.plannable(c, par, ls) for _, c, ls in models):
+        parts, spent = index_cpu.build_rows({model: c for model, c, _ in models}, par,
+                                            [(model, layer) for model, _, layer in layer_units], progress)
+        stats.seconds_read = spent["seconds"].get("gather", 0.0)
+        stats.seconds_fingerprint = spent["seconds"].get("hash_in_place", 0.0) + spent["seconds"].get(
+            "hash_gathered", 0.0)
+        stats.extra.update(spent)
+    else:
+        parts = _tensor_rows(layer_units, par, device, progress, stats)
+    return _table(parts, ckpt, spec, draft, draft_why, par, wanted, layout, ep_size, moe_dp_size, stats, checkpoint)
+
+
+def _tensor_rows(layer_units, par: Parallel, device: str, progress, stats: IndexStats) -> list[dict[str, list]]:
+    """The rows through checkpoints.shards' tensors, blocks of experts on worker threads."""
     units = [(model, c, layer, block) for model, c, layer in layer_units for block in _blocks_of(c, par, layer)]
     workers = max(1, min(len(units), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
     parts: list[dict[str, list]] = []
@@ -218,17 +238,24 @@ def build_index(
             parts.append(fut.result())
             if progress and block.stop == c.spec.num_experts + c.spec.shared_experts:
                 progress(par.moe_tp_size)  # a layer's last block: its (model, layer, moe_tp_rank) units
+    return parts
+
+
+def _table(parts, ckpt: Checkpoint, spec: MoESpec, draft, draft_why: str, par: Parallel, wanted: list[int],
+           layout: ServerLayout, ep_size: int, moe_dp_size: int, stats: IndexStats, checkpoint) -> pa.Table:
+    """The parts' rows as one INDEX_SCHEMA table in the index's order, with its metadata."""
     cols = {f.name: [] for f in INDEX_SCHEMA}
     for part in parts:
         for k, v in part.items():
             cols[k].extend(v)
     n = len(cols["layer"])
+    for k in ("tp_size", "ep_size", "moe_dp_size", "moe_tp_size"):
+        cols[k] = [getattr(par, k)] * n
     cols["schema_version"] = [INDEX_SCHEMA_VERSION] * n
     cols["checkpoint_id"] = [ckpt.identity] * n
-    table = pa.table({f.name: pa.array(cols[f.name], type=f.type) for f in INDEX_SCHEMA}, schema=INDEX_SCHEMA)
-    table = table.sort_by([("model", "descending"), ("moe_tp_rank", "ascending"), ("layer", "ascending"),
-                           ("expert", "ascending"), ("copy_position", "ascending")])
-    opts = IndexOptions(tp_size, ep_size, tuple(wanted), layout, moe_dp_size)
+    table = _sorted_table(cols)
+    stats.bytes_fingerprinted = sum(cols["nbytes"])
+    opts = IndexOptions(par.tp_size, ep_size, tuple(wanted), layout, moe_dp_size)
     meta = {"checkpoint_id": ckpt.identity, "checkpoint_path": str(Path(checkpoint).resolve()), "moetrace": __version__,
             "family": spec.family, "format": spec.fmt, "quant_method": spec.quant_method,
             "intermediate_size": spec.intermediate_size, "num_experts": spec.num_experts,
@@ -238,6 +265,30 @@ def build_index(
             **asdict(opts), "layout": layout.to_json(), "up_first": layout.up_first}
     stats.rows = n
     return table.replace_schema_metadata({INDEX_META_KEY: json.dumps(meta).encode()})
+
+
+def _sorted_table(cols: dict[str, list]) -> pa.Table:
+    """An INDEX_SCHEMA table of the columns, rows in the index's order (model descending:
+    target first; then moe_tp_rank, layer, expert, copy_position), built from buffers:
+    no pandas, no pyarrow.compute (arrow_columns)."""
+    models = sorted(set(cols["model"]), reverse=True)
+    model_rank = np.array([models.index(m) for m in cols["model"]], dtype=np.int64)
+    order = np.lexsort([np.asarray(cols[k], dtype=np.int64) for k in ("copy_position", "expert", "layer",
+                                                                       "moe_tp_rank")] + [model_rank])
+    arrays = []
+    for f in INDEX_SCHEMA:
+        col = cols[f.name]
+        if pa.types.is_integer(f.type):
+            arrays.append(arrow_columns.numbers(np.asarray(col)[order], f.type))
+            continue
+        items = [col[i] for i in order]
+        if pa.types.is_string(f.type):
+            arrays.append(arrow_columns.strings(items))
+        elif pa.types.is_list(f.type):
+            arrays.append(arrow_columns.int_lists(items, f.type))
+        else:
+            arrays.append(arrow_columns.binaries(items, f.type))
+    return pa.Table.from_arrays(arrays, schema=INDEX_SCHEMA)
 
 
 def _resolve_layers(spec: MoESpec, layers: Iterable[int] | None, checkpoint) -> list[int]:
@@ -308,8 +359,6 @@ def cached_index(
     if not path.exists():
         _writable_cache()
     if path.exists():
-        from moetrace.checkpoints.shards import Parallel
-
         par = Parallel(tp_size=tp_size, ep_size=ep_size, layout=layout, moe_dp_size=moe_dp_size)
         try:  # the key hashes no tensor data: a hit must reproduce a sample of it (checkpoints.index_cache)
             differs = index_cache.verify_hit(path, ckpt, par)
