@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from moetrace import fingerprint as fpdef
+from moetrace.checkpoints import arrow_columns
 from moetrace.errors import MoetraceError
 from moetrace.schema import INDEX_SCHEMA_VERSION, format_ids
 
@@ -106,12 +107,15 @@ def _check_each_row(path, table: pa.Table, names: list[str]) -> None:
     nbytes = table.column("nbytes").combine_chunks()
     if nbytes.null_count:
         raise _corrupt(path, "a row has no nbytes")
-    nb = nbytes.to_numpy().astype(np.int64)
+    nb = arrow_columns.values(nbytes).astype(np.int64)
     bad = np.flatnonzero(nb < 0)
     if "shape" in names:
         shape = table.column("shape").combine_chunks()
-        dims = pc.list_flatten(shape).to_numpy(zero_copy_only=False).astype(np.int64)
-        offsets = shape.offsets.to_numpy().astype(np.int64)
+        flat = pc.list_flatten(shape)
+        if flat.null_count:
+            raise _corrupt(path, "a row's shape holds a null")
+        dims = arrow_columns.values(flat).astype(np.int64)
+        offsets = arrow_columns.offsets(shape)
         offsets -= offsets[0]  # a sliced array's offsets point into a longer values buffer
         prod = np.ones(len(nb), dtype=np.int64)
         nonempty = np.flatnonzero(np.diff(offsets) > 0)
@@ -122,7 +126,9 @@ def _check_each_row(path, table: pa.Table, names: list[str]) -> None:
         if (itemsize == 0).any():
             unknown = [d for d, k in zip(dtypes.dictionary.to_pylist(), itemsize) if k == 0]
             raise _corrupt(path, f"rows have dtype {unknown[0]!r}, not a torch dtype")
-        want = prod * itemsize[dtypes.indices.to_numpy(zero_copy_only=False)]
+        if dtypes.indices.null_count:
+            raise _corrupt(path, "a row has no dtype")
+        want = prod * itemsize[arrow_columns.values(dtypes.indices)]
         bad = np.union1d(bad, np.flatnonzero(want != nb))
     if len(bad):
         i = int(bad[0])
@@ -130,8 +136,8 @@ def _check_each_row(path, table: pa.Table, names: list[str]) -> None:
     if "chunk_digests" not in names:
         return
     chunks = table.column("chunk_digests").combine_chunks()
-    lengths = pc.binary_length(chunks).to_numpy(zero_copy_only=False)
-    wrong = np.flatnonzero(np.nan_to_num(lengths, nan=-1) != 16 * -(-nb // fpdef.CHUNK_BYTES))
+    lengths = np.where(arrow_columns.valid(chunks), np.diff(arrow_columns.offsets(chunks)), -1)  # null: -1
+    wrong = np.flatnonzero(lengths != 16 * -(-nb // fpdef.CHUNK_BYTES))
     if len(wrong):
         i = int(wrong[0])
         raise _corrupt(path, f"{_row(table, i)} has {lengths[i]} bytes of chunk digests, its {nb[i]} bytes need "
@@ -154,6 +160,52 @@ def _row(table: pa.Table, i: int) -> str:
     return _where(r["model"], r["layer"], r["expert"], r["tensor"])
 
 
+def _codes(path, table: pa.Table, col: str) -> tuple[np.ndarray, list]:
+    """A column as integer codes (and the values they stand for, for a string column)."""
+    arr = table.column(col).combine_chunks()
+    if arr.null_count:
+        raise _corrupt(path, f"a row has no {col}")
+    if pa.types.is_integer(arr.type):
+        return arrow_columns.values(arr).astype(np.int64), []
+    enc = arr.dictionary_encode()
+    return arrow_columns.values(enc.indices).astype(np.int64), enc.dictionary.to_pylist()
+
+
+def _layer_stats(path, table: pa.Table) -> list[dict]:
+    """Per (model, moe_tp_rank, layer): its rows, its distinct experts and tensors."""
+    model, names = _codes(path, table, "model")
+    rank, layer, expert = (_codes(path, table, c)[0] for c in ("moe_tp_rank", "layer", "expert"))
+    tensor, _ = _codes(path, table, "tensor")
+    keys, group = np.unique(np.stack([model, rank, layer], axis=1), axis=0, return_inverse=True)
+    group = group.reshape(-1)
+    distinct = lambda codes: np.bincount(  # noqa: E731
+        np.unique(np.stack([group, codes], axis=1), axis=0)[:, 0], minlength=len(keys))
+    rows, experts, tensors = np.bincount(group, minlength=len(keys)), distinct(expert), distinct(tensor)
+    return [{"model": names[m], "moe_tp_rank": int(r), "layer": int(layer_id), "expert_count": int(rows[i]),
+             "expert_count_distinct": int(experts[i]), "tensor_count_distinct": int(tensors[i])}
+            for i, (m, r, layer_id) in enumerate(keys)]
+
+
+def distinct_rows(path, table: pa.Table, cols: list[str]) -> list[dict]:
+    """The distinct combinations of these columns' values, in sorted order of their codes."""
+    coded = [_codes(path, table, c) for c in cols]
+    if not table.num_rows:
+        return []
+    keys = np.unique(np.stack([codes for codes, _ in coded], axis=1), axis=0)
+    return [{c: (names[k] if names else int(k)) for c, (_, names), k in zip(cols, coded, key)} for key in keys]
+
+
+def rows_where(path, table: pa.Table, **equal) -> pa.Table:
+    """The rows whose columns equal these values (model by name, ids by number)."""
+    keep = np.ones(table.num_rows, dtype=bool)
+    for col, want in equal.items():
+        codes, names = _codes(path, table, col)
+        if names:
+            want = names.index(want) if want in names else -1
+        keep &= codes == want
+    return arrow_columns.take(table, np.flatnonzero(keep))
+
+
 def _check_coverage(path, meta: dict, table: pa.Table, moe_tp_rank: int | None) -> None:
     """Every listed layer holds every expert with the same tensors, per moe_tp_rank read."""
     if meta.get("num_experts") is None:
@@ -164,9 +216,7 @@ def _check_coverage(path, meta: dict, table: pa.Table, moe_tp_rank: int | None) 
     draft = meta.get("draft")
     if isinstance(draft, dict) and "excluded" not in draft:
         models["draft"] = draft.get("layers")
-    stats = table.group_by(["model", "moe_tp_rank", "layer"]).aggregate(
-        [("expert", "count_distinct"), ("tensor", "count_distinct"), ("expert", "count")]).to_pylist()
-    held = {(s["model"], s["moe_tp_rank"], s["layer"]): s for s in stats}
+    held = {(s["model"], s["moe_tp_rank"], s["layer"]): s for s in _layer_stats(path, table)}
     for model, layers in models.items():
         for r in ranks:
             missing = [layer for layer in layers or () if (model, r, layer) not in held]
