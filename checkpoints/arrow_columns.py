@@ -1,12 +1,16 @@
 """Arrow columns to and from numpy through their buffers.
 
 pyarrow imports pandas (where it is installed) the first time it converts Python or numpy
-values (``pa.array``, ``Array.to_numpy``, ``Table.group_by``): 0.2-0.3 s of a command that
-needs none of it. The index's writer, its checks and the cache's proof build and read
-their columns here instead (tests/test_light_imports.py holds ``moetrace index`` to that).
+values (``pa.array``, ``Array.to_numpy``, ``Table.group_by``), and pyarrow.compute on the
+first compute method (``unique``, ``take``, ``dictionary_encode``): 0.1-0.3 s each of a
+command that needs neither. The index's writer, its checks and the cache's proof build
+and read their columns here instead (tests/test_light_imports.py holds ``moetrace index``
+to that).
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -77,6 +81,37 @@ def int_lists(items: list, type: pa.ListType) -> pa.Array:
     return pa.Array.from_buffers(type, len(items), [None, pa.py_buffer(ends)], children=[flat])
 
 
+# Up to this many rows a Python loop codes a string column in less time (~0.5 us a row) than
+# importing pyarrow.compute takes (40-90 ms); a whole model's index (~100k rows) imports it.
+_PYTHON_ROWS = 50_000
+
+
+def codes(arr: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, list]:
+    """A column without nulls as int64 codes and the values they stand for (in order of
+    first appearance); an integer column is its own codes (and no values)."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if pa.types.is_integer(arr.type):
+        return values(arr).astype(np.int64), []
+    if len(arr) > _PYTHON_ROWS or "pyarrow.compute" in sys.modules:  # its import is paid for, or is worth it
+        enc = arr.dictionary_encode()
+        return values(enc.indices).astype(np.int64), enc.dictionary.to_pylist()
+    found: dict = {}
+    out = np.fromiter((found.setdefault(v, len(found)) for v in arr.to_pylist()), dtype=np.int64, count=len(arr))
+    return out, list(found)
+
+
+def list_values(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """A list<int> column's flattened values and its len + 1 offsets into them (from 0)."""
+    ends = offsets(arr)
+    flat = values(arr.values)[ends[0]:ends[-1]] if len(arr.values) else np.empty(0, dtype=np.int64)
+    return flat, ends - ends[0]
+
+
 def take(table: pa.Table, rows: np.ndarray) -> pa.Table:
-    """The table's rows at these positions, in this order."""
-    return table.take(numbers(rows, pa.int64()))
+    """The table's rows at these increasing positions: slices of its runs, concatenated."""
+    if not len(rows):
+        return table.slice(0, 0)
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts, stops = rows[np.r_[0, breaks]], rows[np.r_[breaks - 1, len(rows) - 1]] + 1
+    return pa.concat_tables([table.slice(int(a), int(b - a)) for a, b in zip(starts, stops)])

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from moetrace import fingerprint as fpdef
 from moetrace.checkpoints import arrow_columns
@@ -86,15 +85,17 @@ def check_rows(path, meta: dict, table: pa.Table, moe_tp_rank: int | None = None
     if table.num_rows == 0:
         return
     for col, want in (("schema_version", INDEX_SCHEMA_VERSION), ("checkpoint_id", meta.get("checkpoint_id"))):
-        found = pc.unique(table.column(col)).to_pylist()
+        codes, strings = _codes(path, table, col)
+        found = strings or np.unique(codes).tolist()
         if found != [want]:
             raise _corrupt(path, f"rows hold {col} {sorted(map(str, found))}, the metadata says {want}")
     mtp = meta.get("moe_tp_size")
     n_experts = None if meta.get("num_experts") is None else meta["num_experts"] + int(meta.get("shared_experts") or 0)
     for col, high in (("layer", None), ("expert", n_experts), ("moe_tp_rank", mtp)):
-        lo, hi = pc.min_max(table.column(col)).values()
-        if lo.as_py() < 0 or (high is not None and hi.as_py() >= high):
-            bad = lo.as_py() if lo.as_py() < 0 else hi.as_py()
+        ids = _codes(path, table, col)[0]
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or (high is not None and hi >= high):
+            bad = lo if lo < 0 else hi
             limit = f"0-{high - 1}" if high is not None else ">= 0"
             raise _corrupt(path, f"a row has {col} {bad}, expected {limit}")
     _check_each_row(path, table, names)
@@ -111,24 +112,20 @@ def _check_each_row(path, table: pa.Table, names: list[str]) -> None:
     bad = np.flatnonzero(nb < 0)
     if "shape" in names:
         shape = table.column("shape").combine_chunks()
-        flat = pc.list_flatten(shape)
-        if flat.null_count:
-            raise _corrupt(path, "a row's shape holds a null")
-        dims = arrow_columns.values(flat).astype(np.int64)
-        offsets = arrow_columns.offsets(shape)
-        offsets -= offsets[0]  # a sliced array's offsets point into a longer values buffer
+        if shape.null_count or shape.values.null_count:
+            raise _corrupt(path, "a row's shape is or holds a null")
+        dims, offsets = arrow_columns.list_values(shape)  # offsets from 0, into dims
+        dims = dims.astype(np.int64)
         prod = np.ones(len(nb), dtype=np.int64)
         nonempty = np.flatnonzero(np.diff(offsets) > 0)
         if len(dims):
             prod[nonempty] = np.multiply.reduceat(dims, offsets[:-1][nonempty])
-        dtypes = table.column("dtype").combine_chunks().dictionary_encode()
-        itemsize = np.array([_itemsize(d) or 0 for d in dtypes.dictionary.to_pylist()], dtype=np.int64)
+        dtype_codes, dtype_names = _codes(path, table, "dtype")
+        itemsize = np.array([_itemsize(d) or 0 for d in dtype_names], dtype=np.int64)
         if (itemsize == 0).any():
-            unknown = [d for d, k in zip(dtypes.dictionary.to_pylist(), itemsize) if k == 0]
+            unknown = [d for d, k in zip(dtype_names, itemsize) if k == 0]
             raise _corrupt(path, f"rows have dtype {unknown[0]!r}, not a torch dtype")
-        if dtypes.indices.null_count:
-            raise _corrupt(path, "a row has no dtype")
-        want = prod * itemsize[arrow_columns.values(dtypes.indices)]
+        want = prod * itemsize[dtype_codes]
         bad = np.union1d(bad, np.flatnonzero(want != nb))
     if len(bad):
         i = int(bad[0])
@@ -165,10 +162,7 @@ def _codes(path, table: pa.Table, col: str) -> tuple[np.ndarray, list]:
     arr = table.column(col).combine_chunks()
     if arr.null_count:
         raise _corrupt(path, f"a row has no {col}")
-    if pa.types.is_integer(arr.type):
-        return arrow_columns.values(arr).astype(np.int64), []
-    enc = arr.dictionary_encode()
-    return arrow_columns.values(enc.indices).astype(np.int64), enc.dictionary.to_pylist()
+    return arrow_columns.codes(arr)
 
 
 def _layer_stats(path, table: pa.Table) -> list[dict]:

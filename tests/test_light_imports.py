@@ -3,7 +3,8 @@ milliseconds of work): `hook-spec`, with or without an index to read, and `index
 CPU, built or answered from the cache (the shards are planned as bytes of the files and
 hashed with xxhash; the hit's proof re-hashes its sample the same way). `index` loads only
 click, numpy, pyarrow and xxhash besides the standard library: no pandas either (pyarrow
-imports it on its first conversion of Python values; checkpoints/arrow_columns.py). Judged
+imports it on its first conversion of Python values; checkpoints/arrow_columns.py), nor
+pyarrow.compute for an index of this size. Judged
 by the modules a run loaded, in a fresh process, never by time.
 
 The first `index` of a config.json reads it as SGLang does, through transformers'
@@ -44,7 +45,8 @@ try:
 except SystemExit as e:
     code = e.code
 packages = sorted({m.split(".")[0] for m in sys.modules} - set(sys.stdlib_module_names))
-print(json.dumps({"code": code, "torch": "torch" in sys.modules, "importer": Watch.importer, "packages": packages}))
+print(json.dumps({"code": code, "torch": "torch" in sys.modules, "importer": Watch.importer, "packages": packages,
+                  "pyarrow_compute": "pyarrow.compute" in sys.modules}))
 """
 
 
@@ -102,6 +104,7 @@ def test_index_built_and_from_the_cache_loads_no_torch_nor_pandas(make_ckpt, tmp
         out = _run("index", ckpt, "--tp", "2", "-o", tmp_path / f"{run}.parquet", "--json", env=env)
         assert not out["torch"], f"{run}: torch imported by {out['importer']}"
         assert _third_party(out) <= INDEX_PACKAGES, f"{run}: {sorted(_third_party(out) - INDEX_PACKAGES)}"
+        assert not out["pyarrow_compute"], f"{run}: pyarrow.compute imported (40-90 ms)"
     assert (tmp_path / "built.parquet").read_bytes() == (tmp_path / "from the cache.parquet").read_bytes()
 
 
