@@ -2,7 +2,9 @@
 of the files (checkpoints.shard_plan) and hashed where it lies (checkpoints.shard_hash).
 
 A work unit is a block of experts of one (model, layer), every moe_tp_rank (about
-``UNIT_BYTES`` of shards), so a column cut's rows are faulted in once for all ranks. The
+``UNIT_BYTES`` of shards), each expert's ranks one after the other, so a column cut's rows
+are faulted in and read from memory once for all ranks (the second rank's cut is in the
+CPU's cache). The
 units run in worker processes, one per core, forked from this one: the hashing holds the
 GIL (xxhash releases it only above 64 KiB, a chunk is exactly 64 KiB), so threads would
 hash one at a time (docs/fingerprint.md, "Threads"). Each unit maps the files it reads
@@ -74,8 +76,8 @@ def unit_rows(unit: Unit) -> tuple[dict[str, list], dict[str, float], dict[str, 
     cols: dict[str, list] = {k: [] for k in ("moe_tp_rank", "expert", "tensor", "copy_position", "dtype", "shape",
                                             "nbytes", "digest", "chunk_digests")}
     try:
-        for r in range(par.moe_tp_size):
-            for expert in unit.experts:
+        for expert in unit.experts:  # every rank's cut of an expert while its rows are still in cache
+            for r in range(par.moe_tp_size):
                 plans = plan_expert(ckpt, unit.layer, expert, r, par)
                 if plans is None:
                     raise MoetraceError(f"layer {unit.layer} expert {expert}: its shards are not plain bytes of "

@@ -12,6 +12,7 @@ small buffer. Only what is exact as bytes is planned: a layout with post-load tr
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +67,7 @@ class ShardPlan:
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.pieces)
 
