@@ -1,33 +1,83 @@
-"""`moetrace index` end to end against reading the same safetensors files once
-(page cache warm for both), at TP2.
+"""`moetrace index` as a user runs it (the process, start to exit) against a warm read of
+the same files, in the same run.
 
-Default: one Qwen3.5-122B-sized MoE layer (256 experts, H 3072, I 1024, FP8
-with BF16 block scales, ~2.5 GB), rounds interleaved, medians reported.
---model: a whole synthetic 48-layer model (256 experts per layer, H and I
-scaled down so it fits a small machine's page cache) indexed as one run
-through the index cache, then the same call again: the cache hit.
+Default: three Qwen3.5-122B-sized MoE layers (256 experts, H 3072, I 1024, FP8 with BF16
+block scales: 7.4 GB, two files per layer) at TP2 and TP1, rounds interleaved (read,
+index), medians reported. Each index run is the first of its checkpoint (the index
+cache holds none of it; the config's answer is cached, as after any earlier run with this
+config.json: the first one reads it through transformers, printed apart). Prints the CPU
+model and flags, where the index's time goes (start-up and imports, the workers' CPU
+seconds hashing contiguous pieces in place and gathering and hashing column cuts, the
+reads being their page faults; the Parquet write), the peak memory of
+the process and its workers, and the process wall of `moetrace --help`, `hook-spec` and a
+cache-hit `index` (target <= 0.3 s).
 
-    python bench/bench_index.py               # one layer, 3 rounds
-    python bench/bench_index.py --quick       # 32 experts
-    python bench/bench_index.py --model       # 48 layers, H 512, I 256 (~4.9 GB)
-    python bench/bench_index.py --device cuda # on the GPU (pinned buffers, the kernel); checks
-                                              # its rows equal the CPU index's
+    python bench/bench_index.py                  # 3 layers (7.4 GB written to /tmp once), TP2 and TP1, 3 rounds
+    python bench/bench_index.py --quick          # 1 layer of 32 experts, 2 rounds
+    python bench/bench_index.py --workdir /data  # the checkpoint there (deleted at the end unless --keep)
 
-Target: the index >= 0.67x a warm read of the same files. Prints the CPU model.
+Targets: index process >= 1.0x a warm read (TP2 and TP1); peak memory <= 1 GB beyond the
+page cache; cache-hit index and --help <= 0.3 s. The checkpoint's values are random
+bytes (a digest does not care); its names, dtypes, shapes and config are Qwen3.5's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-from moetrace.checkpoints import index_build as ixb
-from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
+import numpy as np
+
+from moetrace.checkpoints.synthetic_config import synthetic_config
 from moetrace.jobs.timing import cpu_description, median
+
+PREFIX = "model.language_model"
+
+
+def write_checkpoint(root: Path, layers: int, experts: int, hidden: int, inter: int, files_per_layer: int = 2) -> int:
+    """A Qwen3.5 FP8-block checkpoint of random bytes, written a tensor at a time (little
+    memory); returns its bytes."""
+    root.mkdir(parents=True)
+    cfg = synthetic_config("qwen3_5_moe", "fp8_block", layers, experts, hidden, inter, 0, ("fp8", (128, 128)), 0)
+    (root / "config.json").write_text(json.dumps(cfg, indent=2))
+    rng = np.random.default_rng(0)
+    weight_map, total = {}, 0
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    per_file = -(-experts // files_per_layer)
+    for layer in range(layers):
+        for f in range(files_per_layer):
+            name = f"model-{layer:02d}-{f:02d}.safetensors"
+            header, offset, tensors = {}, 0, []
+            for e in range(f * per_file, min((f + 1) * per_file, experts)):
+                for proj, (out, inp) in shapes.items():
+                    stem = f"{PREFIX}.layers.{layer}.mlp.experts.{e}.{proj}_proj"
+                    for key, dtype, shape, item in (("weight", "F8_E4M3", (out, inp), 1),
+                                                    ("weight_scale_inv", "BF16", (-(-out // 128), -(-inp // 128)), 2)):
+                        n = math.prod(shape) * item
+                        header[f"{stem}.{key}"] = {"dtype": dtype, "shape": list(shape),
+                                                   "data_offsets": [offset, offset + n]}
+                        tensors.append(n)
+                        weight_map[f"{stem}.{key}"] = name
+                        offset += n
+            header["__metadata__"] = {"format": "pt"}
+            raw = json.dumps(header).encode()
+            raw += b" " * (-len(raw) % 8)
+            with open(root / name, "wb") as fh:
+                fh.write(len(raw).to_bytes(8, "little") + raw)
+                for n in tensors:
+                    fh.write(rng.bytes(n))
+            total += offset
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return total
 
 
 def read_files_once(root: Path) -> int:
@@ -39,136 +89,177 @@ def read_files_once(root: Path) -> int:
     return total
 
 
-def replicate_layers(one_layer: Path, root: Path, layers: int) -> None:
-    """A `layers`-layer checkpoint from a 1-layer synthetic one, written one layer
-    file at a time (the synthetic writer holds a whole model in memory: too much
-    for 48 layers on a 24 GiB machine). Every layer holds layer 0's bytes under its
-    own names: the same work for the index, digests repeat across layers."""
-    from safetensors.torch import load_file, save_file
-
-    root.mkdir(parents=True)
-    index = json.loads((one_layer / "model.safetensors.index.json").read_text())
-    files = sorted(set(index["weight_map"].values()))
-    weight_map, marker = {}, ".layers.0."
-    for layer in range(layers):
-        for i, fname in enumerate(files):
-            tensors = load_file(str(one_layer / fname))
-            keep = tensors if layer == 0 else {
-                k.replace(marker, f".layers.{layer}."): v for k, v in tensors.items()
-                if marker in k and not k.startswith(("model.visual", "mtp"))}
-            out = f"model-L{layer:02d}-{i:02d}.safetensors"
-            save_file(keep, str(root / out), metadata={"format": "pt"})
-            weight_map.update({k: out for k in keep})
-    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = json.loads((one_layer / "config.json").read_text())
-    (config.get("text_config") or config)["num_hidden_layers"] = layers
-    (root / "config.json").write_text(json.dumps(config, indent=2))
+def _moetrace() -> list[str]:
+    script = Path(sys.executable).with_name("moetrace")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "moetrace.cli"]
 
 
-def timed(fn):
+def _tree(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    todo += [int(c) for c in fh.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _rss_kib(pid: int) -> tuple[int, int]:
+    """(RssAnon, VmRSS) of one process in KiB: its own memory, and with the file pages it maps."""
+    anon = rss = 0
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    anon = int(line.split()[1])
+                elif line.startswith("VmRSS:"):
+                    rss = int(line.split()[1])
+    except OSError:
+        pass
+    return anon, rss
+
+
+def run_process(cmd: list[str], env: dict) -> dict:
+    """Wall from start to exit, CPU seconds (with its workers), and the peak over the run
+    of the process tree's anonymous and total resident memory (sampled every 5 ms)."""
+    peak = {"anon": 0, "rss": 0}
     t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            mem = [_rss_kib(p) for p in _tree(proc.pid)]
+            peak["anon"] = max(peak["anon"], sum(a for a, _ in mem))
+            peak["rss"] = max(peak["rss"], sum(r for _, r in mem))
+            done.wait(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    proc.stdout.close()
+    proc.stderr.close()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {err.strip()}")
+    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_anon_mib": peak["anon"] / 1024,
+            "peak_rss_mib": peak["rss"] / 1024, "stdout": out}
 
 
-def cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-def bench_layer(root: Path, tp: int, rounds: int, device: str = "cpu") -> dict:
-    read_files_once(root)  # warm the page cache: both sides then read from memory
-    reads, builds, busy_cores, stats = [], [], [], ixb.IndexStats()
+def bench_tp(root: Path, tp: int, rounds: int, env: dict, out: Path) -> dict:
+    cache = Path(env["MOETRACE_CACHE"]) / "index"
+    reads, read_cpu, runs = [], [], []
     for _ in range(rounds):
-        t_read, nbytes = timed(lambda: read_files_once(root))
-        stats = ixb.IndexStats()
-        c0 = cpu_seconds()
-        t_index, table = timed(lambda: ixb.build_index(root, tp, device=device, stats=stats))
-        busy_cores.append((cpu_seconds() - c0) / t_index)  # reads and hashing overlapping: up to the core count
-        reads.append(t_read)
-        builds.append(t_index)
-    busy = stats.seconds_read + stats.seconds_fingerprint
-    t_read, t_index = median(reads), median(builds)
-    same = None if device == "cpu" else ixb.build_index(root, tp).equals(table)  # digests identical to the CPU's
+        t0, c0 = time.perf_counter(), time.process_time()
+        nbytes = read_files_once(root)
+        reads.append(time.perf_counter() - t0)
+        read_cpu.append(time.process_time() - c0)
+        shutil.rmtree(cache, ignore_errors=True)  # the checkpoint's first index
+        runs.append(run_process(_moetrace() + ["index", str(root), "--tp", str(tp), "-o", str(out), "--json"], env))
+    summary = [json.loads(r["stdout"]) for r in runs]
+    assert not any(s["reused_cache"] for s in summary)
+    walls = [r["wall_s"] for r in runs]
+    pick = sorted(range(rounds), key=lambda i: walls[i])[rounds // 2]  # the median run's breakdown
+    timings, s = summary[pick]["timings"], summary[pick]
     return {
-        "device": device, "device_index_equals_cpu": same,
-        "checkpoint_bytes": nbytes, "rows": table.num_rows, "rounds": rounds,
-        "read_once_s": round(t_read, 3), "index_s": round(t_index, 3),
-        "read_once_GBps": round(nbytes / t_read / 1e9, 3), "index_GBps": round(nbytes / t_index / 1e9, 3),
-        "index_throughput_vs_read_once": round(median([r / b for r, b in zip(reads, builds)]), 3),
-        "index_cores_busy": round(median(busy_cores), 2),
-        "share_slice_reads": round(stats.seconds_read / busy, 3) if busy else None,
-        "share_fingerprint": round(stats.seconds_fingerprint / busy, 3) if busy else None,
+        "tp": tp, "checkpoint_bytes": nbytes, "rows": s["rows"], "rounds": rounds,
+        "read_s": round(median(reads), 3), "index_s": round(median(walls), 3),
+        "read_GBps": round(nbytes / median(reads) / 1e9, 2), "index_GBps": round(nbytes / median(walls) / 1e9, 2),
+        "index_vs_read": round(median([r / w for r, w in zip(reads, walls)]), 3),
+        "index_vs_read_rounds": [round(r / w, 3) for r, w in zip(reads, walls)],
+        "cores_busy": round(runs[pick]["cpu_s"] / walls[pick], 2),
+        "read_cpu_s": round(median(read_cpu), 3), "index_cpu_s": round(median([r["cpu_s"] for r in runs]), 3),
+        "startup_imports_exit_s": round(walls[pick] - s["seconds"], 3),
+        "timings": timings,
+        "peak_anon_mib": round(max(r["peak_anon_mib"] for r in runs)),
+        "peak_rss_mib": round(max(r["peak_rss_mib"] for r in runs)),
     }
 
 
-def bench_model(root: Path, tp: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix="moetrace-bench-cache-") as cache:
-        os.environ["MOETRACE_CACHE"] = cache
-        read_files_once(root)
-        t_read, nbytes = timed(lambda: read_files_once(root))
-        t_build, (_, reused_first) = timed(lambda: ixb.cached_index(root, tp))
-        t_hit, (path, reused) = timed(lambda: ixb.cached_index(root, tp))
-        assert not reused_first and reused, "the second call must be a cache hit"
-        index_bytes = path.stat().st_size
-    return {
-        "checkpoint_bytes": nbytes, "read_once_s": round(t_read, 2), "index_s": round(t_build, 2),
-        "read_once_GBps": round(nbytes / t_read / 1e9, 3), "index_GBps": round(nbytes / t_build / 1e9, 3),
-        "index_throughput_vs_read_once": round(t_read / t_build, 3),
-        "cache_hit_s": round(t_hit, 3), "index_file_bytes": index_bytes,
+def bench_light(root: Path, env: dict, tmp: Path, repeats: int) -> dict:
+    """Process walls of the commands that should start at once (median of `repeats`)."""
+    out = tmp / "hit.parquet"
+    cmds = {
+        "help": _moetrace() + ["--help"],
+        "hook_spec": _moetrace() + ["hook-spec", "--out", str(tmp / "traces")],
+        "index_cache_hit": _moetrace() + ["index", str(root), "--tp", "2", "-o", str(out), "--json"],
     }
+    walls = {k: [] for k in cmds}
+    for _ in range(repeats):
+        for k, cmd in cmds.items():
+            walls[k].append(run_process(cmd, env)["wall_s"])
+    assert json.loads(run_process(cmds["index_cache_hit"], env)["stdout"])["reused_cache"]
+    imports = [run_process([sys.executable, "-c", "import moetrace.cli, moetrace.commands.index, "
+                            "moetrace.checkpoints.index_build"], env)["wall_s"] for _ in range(repeats)]
+    return {**{f"{k}_s": round(median(v), 3) for k, v in walls.items()},
+            "python_and_index_imports_s": round(median(imports), 3)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=None, help="default 3072 (--model: 1024)")
-    ap.add_argument("--intermediate", type=int, default=None, help="default 1024 (--model: 256)")
-    ap.add_argument("--layers", type=int, default=None, help="default 1 (--model: 48)")
-    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=3072)
+    ap.add_argument("--intermediate", type=int, default=1024)
+    ap.add_argument("--tp", default="2,1", help="TP sizes to index at, in order (default 2,1)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="32 experts, 2 rounds")
-    ap.add_argument("--model", action="store_true", help="a whole 48-layer model through the cache, then the cache hit")
-    ap.add_argument("--workdir", default=None, help="keep the checkpoint here (default: a temp dir)")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--quick", action="store_true", help="1 layer of 32 experts, 2 rounds")
+    ap.add_argument("--workdir", default=None, help="where the checkpoint goes (default: a temp dir in /tmp)")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint (with --workdir)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    experts = 32 if args.quick else args.experts
-    hidden = args.hidden or (512 if args.model else 3072)
-    inter = args.intermediate or (256 if args.model else 1024)
-    layers = args.layers or (48 if args.model else 1)
+    layers, experts = (1, 32) if args.quick else (args.layers, args.experts)
     rounds = 2 if args.quick else args.rounds
-    with tempfile.TemporaryDirectory(prefix="moetrace-bench-index-") as tmp:
-        root = Path(args.workdir or tmp) / f"qwen35-{layers}l-{experts}e-h{hidden}-i{inter}"
-        t_write = 0.0
-        if not (root / "config.json").exists():
-            one = root.with_name(root.name + "-layer0") if layers > 1 else root
-            t_write, _ = timed(lambda: write_synthetic_checkpoint(
-                one, family="qwen3_5_moe", fmt="fp8_block", num_layers=1, num_experts=experts, hidden=hidden,
-                intermediate=inter, scale_dtype="bfloat16", num_files=4))
-            if layers > 1:
-                t_rep, _ = timed(lambda: replicate_layers(one, root, layers))
-                t_write += t_rep
-        result = bench_model(root, args.tp) if args.model else bench_layer(root, args.tp, rounds, args.device)
-    result = {"cpu": cpu_description(), "layers": layers, "experts": experts, "hidden": hidden, "intermediate": inter,
-              "tp": args.tp, **result, "synthetic_write_s": round(t_write, 1)}
+    tmp = Path(tempfile.mkdtemp(prefix="moetrace-bench-index-", dir=args.workdir))
+    try:
+        root = tmp / f"qwen35-{layers}l-{experts}e-h{args.hidden}-i{args.intermediate}"
+        t0 = time.perf_counter()
+        nbytes = write_checkpoint(root, layers, experts, args.hidden, args.intermediate)
+        t_write = time.perf_counter() - t0
+        env = {**os.environ, "MOETRACE_CACHE": str(tmp / "cache"), "PYTHONUNBUFFERED": "1"}
+        first = run_process(_moetrace() + ["index", str(root), "--tp", "2", "-o", str(tmp / "first.parquet"),
+                                           "--json"], env)  # reads the config through transformers, once
+        read_files_once(root)
+        result = {"cpu": cpu_description(), "layers": layers, "experts": experts, "hidden": args.hidden,
+                  "intermediate": args.intermediate, "checkpoint_bytes": nbytes, "write_s": round(t_write, 1),
+                  "first_run_with_transformers_s": round(first["wall_s"], 3),
+                  "tp": [bench_tp(root, int(tp), rounds, env, tmp / f"tp{tp}.parquet") for tp in args.tp.split(",")]}
+        result["light"] = bench_light(root, env, tmp, 5)
+        result["load_average"] = os.getloadavg()
+    finally:
+        if not (args.keep and args.workdir):
+            shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
         print(json.dumps(result))
         return
     print(result["cpu"])
-    print(f"checkpoint: {layers} layer(s), {experts} experts, H {hidden}, I {inter}, "
-          f"{result['checkpoint_bytes'] / 1e9:.2f} GB; index at TP{args.tp}")
-    print(f"  read the files once      {result['read_once_s']:7.2f} s  {result['read_once_GBps']:6.2f} GB/s")
-    print(f"  moetrace index           {result['index_s']:7.2f} s  {result['index_GBps']:6.2f} GB/s")
-    print(f"  index throughput / read  {result['index_throughput_vs_read_once']:7.2f}x")
-    if args.model:
-        print(f"  cache hit (same call)    {result['cache_hit_s']:7.3f} s")
-    else:
-        print(f"  where index time goes    slice reads {result['share_slice_reads']:.0%}, "
-              f"fingerprinting {result['share_fingerprint']:.0%} (thread-seconds); "
-              f"{result['index_cores_busy']:.2f} cores busy (CPU seconds / wall)")
-        if result["device_index_equals_cpu"] is not None:
-            print(f"  {args.device} index rows equal the CPU index: {result['device_index_equals_cpu']}")
+    print(f"checkpoint: {layers} layer(s) x {experts} experts, H {args.hidden}, I {args.intermediate}, FP8 + BF16 "
+          f"block scales, {nbytes / 1e9:.2f} GB (written in {t_write:.0f} s); "
+          f"load average {result['load_average'][0]:.1f}")
+    for r in result["tp"]:
+        t = r["timings"]
+        print(f"TP{r['tp']}: read the files once {r['read_s']:.2f} s ({r['read_GBps']:.1f} GB/s); moetrace index "
+              f"process {r['index_s']:.2f} s ({r['index_GBps']:.1f} GB/s) = {r['index_vs_read']:.2f}x the read "
+              f"(rounds {r['index_vs_read_rounds']}); {r['cores_busy']:.2f} cores busy; CPU seconds: read "
+              f"{r['read_cpu_s']:.2f}, index {r['index_cpu_s']:.2f} (with its workers)")
+        print(f"  where it goes: start-up, imports, exit {r['startup_imports_exit_s']:.2f} s; build "
+              f"{t['build_s']:.2f} s on {t['workers']} worker(s), their CPU seconds: contiguous pieces hashed in "
+              f"place {t.get('in_place_s', 0):.2f}, column cuts gathered and hashed {t.get('column_cuts_s', 0):.2f} "
+              f"(page faults included); Parquet write and copy {t['write_s']:.2f} s")
+        print(f"  peak memory of the process and its workers: {r['peak_anon_mib']} MiB own (anonymous), "
+              f"{r['peak_rss_mib']} MiB resident with the mapped file pages")
+    light = result["light"]
+    print(f"process wall: moetrace --help {light['help_s']:.3f} s, hook-spec {light['hook_spec_s']:.3f} s, index "
+          f"from the cache {light['index_cache_hit_s']:.3f} s (python + the index's imports alone "
+          f"{light['python_and_index_imports_s']:.3f} s); first index of this config.json (transformers) "
+          f"{result['first_run_with_transformers_s']:.2f} s")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Sequence
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from moetrace import outputs, storage
@@ -106,7 +105,7 @@ def read_index(path: str | os.PathLike, columns: Sequence[str] | None = None,
     except (OSError, pa.ArrowException) as err:
         raise MoetraceError(f"index {path}: unreadable ({_first_line(err)})") from None
     if moe_tp_rank is not None:
-        table = table.filter(pc.equal(table.column("moe_tp_rank"), moe_tp_rank))
+        table = index_checks.rows_where(path, table, moe_tp_rank=moe_tp_rank)
     index_checks.check_rows(path, meta, table, moe_tp_rank)
     return table.select([c for c in wanted if c in table.column_names])
 

@@ -1,10 +1,12 @@
 """Building and caching the expected index from a checkpoint.
 
-``build_index`` reads every expected TP shard (checkpoints.shards) of every expert of
-every MoE layer, per moe_tp_rank, for the target model and (when the checkpoint has
-one, checkpoints.extra) the draft model, and fingerprints it; ``cached_index`` keeps one
-index per checkpoint identity, file stats and options, so an unchanged checkpoint is fingerprinted once. The file
-format and its one reader are in checkpoints.index.
+``build_index`` fingerprints every expected TP shard of every expert of every MoE layer,
+per moe_tp_rank, for the target model and (when the checkpoint has one,
+checkpoints.extra) the draft model: on the CPU as byte ranges of the files hashed where
+they lie (checkpoints.index_cpu), where a layout computes or on a GPU through
+checkpoints.shards' tensors (checkpoints.index_tensors); ``cached_index`` keeps one index
+per checkpoint identity, file stats and options, so an unchanged checkpoint is
+fingerprinted once. The file format and its one reader are in checkpoints.index.
 """
 
 from __future__ import annotations
@@ -13,31 +15,25 @@ import hashlib
 import json
 import os
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moetrace import __version__, outputs
 from moetrace import fingerprint as fpdef
-from moetrace.checkpoints import index_cache
+from moetrace.checkpoints import arrow_columns, index_cache, index_cpu, index_tensors
 from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
-from moetrace.checkpoints.reader import Checkpoint, as_slice, draft_checkpoint, open_checkpoint, weight_files
-from moetrace.checkpoints.safetensors_file import host_copy
+from moetrace.checkpoints.reader import Checkpoint, draft_checkpoint, open_checkpoint, weight_files
+from moetrace.checkpoints.shard_cuts import Parallel, validate_moe_tp
 from moetrace.checkpoints.spec import MoESpec
 from moetrace.errors import MoetraceError
-from moetrace.schema import INDEX_SCHEMA, INDEX_SCHEMA_VERSION, copy_position, dtype_name, format_ids
-
-if TYPE_CHECKING:  # torch and the shard builder load only when an index is built: a cache hit needs neither
-    import torch
-
-    from moetrace.checkpoints.shards import Parallel
+from moetrace.schema import INDEX_SCHEMA, INDEX_SCHEMA_VERSION, format_ids
 
 
 @dataclass(frozen=True)
@@ -58,126 +54,27 @@ class IndexStats:
     bytes_fingerprinted: int = 0
     seconds_read: float = 0.0
     seconds_fingerprint: float = 0.0
+    seconds_build: float = 0.0  # build_index, wall
+    seconds_write: float = 0.0  # the Parquet file(s) written and copied, wall
     extra: dict = field(default_factory=dict)
 
 
-def _add_rows(cols: dict[str, list], name: str, stacked: torch.Tensor, prints, first: int, stats: IndexStats) -> None:
-    per_shape = list(stacked.shape[1:])
-    for expert, f in enumerate(prints, start=first):  # expected_experts stacks the experts in id order
-        cols["expert"].append(expert)
-        cols["tensor"].append(name)
-        cols["copy_position"].append(copy_position(name))
-        cols["dtype"].append(dtype_name(stacked.dtype))
-        cols["shape"].append(per_shape)
-        cols["nbytes"].append(f.nbytes)
-        cols["digest"].append(f.digest)
-        cols["chunk_digests"].append(f.chunk_digests)
-        stats.bytes_fingerprinted += f.nbytes
-
-
-class ColumnCuts:
-    """A Checkpoint whose column reads (a rank's columns of whole rows: w2 at moe_tp_size > 1)
-    keep the rows they read until clear(), so the cuts of every moe_tp_rank from one block of
-    experts read the file once; every other read goes straight to the checkpoint. Same bytes
-    as Checkpoint.read. One per thread."""
-
-    def __init__(self, ckpt: Checkpoint):
-        self.ckpt = ckpt
-        self._rows: dict[tuple[str, str], torch.Tensor] = {}
-
-    def __getattr__(self, name: str):
-        return getattr(self.ckpt, name)
-
-    def read(self, name: str, rows=None, cols=None, into: torch.Tensor | None = None) -> torch.Tensor:
-        if cols is None:
-            return self.ckpt.read(name, rows, into=into)
-        key = (name, repr(rows))
-        whole = self._rows.get(key)
-        if whole is None:
-            whole = self._rows[key] = self.ckpt.read(name, rows)
-        t = self.ckpt.info(name)
-        return host_copy(whole[..., as_slice(cols, t.shape[-1], name, t.file)], into)
-
-    def clear(self) -> None:
-        self._rows.clear()
-
-
-_BLOCK_BYTES = 64 << 20  # expert bytes read and fingerprinted at a time: reused, never faulted in again
-_BUFFERS = threading.local()  # per worker thread: the last block, refilled by the next one
+# Device nodes without which torch sees no GPU (NVIDIA; ROCm's kfd; WSL's dxg): --device auto
+# asks torch (seconds of import) only where one exists.
+_GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
 
 
 def resolve_device(device: str) -> str:
     """--device auto: CUDA when torch sees a device, else the CPU; cuda without one: one line."""
+    if device == "cpu" or (device == "auto" and not any(os.path.exists(p) for p in _GPU_NODES)):
+        return "cpu"
     import torch
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device != "cpu" and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise MoetraceError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
     return device
-
-
-def _fingerprint_rows(stacked: "torch.Tensor", device: str) -> list:
-    """One Fingerprint per expert row. On a GPU the bytes go through a pinned host buffer
-    (one per worker thread, reused) to the device and its kernel; the digests come back
-    with finalize's copy, which also ends the transfer before the buffer is refilled."""
-    rows = fpdef.row_bytes(stacked)
-    if device == "cpu":
-        return fpdef.finalize(fpdef.row_chunk_digests(rows), rows.shape[1])
-    import torch
-
-    pinned = getattr(_BUFFERS, "pinned", None)
-    if pinned is None or pinned.numel() < rows.numel():
-        pinned = _BUFFERS.pinned = torch.empty(max(rows.numel(), _BLOCK_BYTES), dtype=torch.uint8, pin_memory=True)
-    staged = pinned[: rows.numel()].view(rows.shape)
-    staged.copy_(rows)
-    return fpdef.finalize(fpdef.row_chunk_digests(staged.to(device, non_blocking=True)), rows.shape[1])
-
-
-def _block_rows(ckpt: Checkpoint, model: str, par: Parallel, layer: int, experts: range, device: str,
-                stats: IndexStats) -> dict[str, list]:
-    """The rows of one block of experts of one (model, layer), every moe_tp_rank: a work
-    unit small enough that both cores stay busy on one layer (one reads while the other
-    hashes), and a column cut (w2) reads its rows once for all ranks (ColumnCuts)."""
-    from moetrace.checkpoints.shards import expected_experts
-
-    reads = getattr(_BUFFERS, "reads", None)
-    if reads is None or reads.ckpt is not ckpt:
-        reads = _BUFFERS.reads = ColumnCuts(ckpt)
-    last = getattr(_BUFFERS, "last", {})
-    cols: dict[str, list] = {f.name: [] for f in INDEX_SCHEMA}
-    try:
-        for r in range(par.moe_tp_size):
-            t0 = time.perf_counter()
-            shards = expected_experts(reads, layer, r, par, experts, last.get((r, len(experts))))
-            t1 = time.perf_counter()
-            n0 = len(cols["expert"])
-            for name, stacked in shards.items():
-                _add_rows(cols, name, stacked, _fingerprint_rows(stacked, device), experts.start, stats)
-            cols["moe_tp_rank"] += [r] * (len(cols["expert"]) - n0)
-            stats.seconds_read += t1 - t0
-            stats.seconds_fingerprint += time.perf_counter() - t1
-            last[(r, len(experts))] = shards  # refilled by the next block of this size: no new pages
-    finally:
-        reads.clear()
-    _BUFFERS.last = {k: v for k, v in last.items() if k[1] == len(experts)}
-    n = len(cols["expert"])
-    cols["model"], cols["layer"] = [model] * n, [layer] * n
-    cols["tp_size"], cols["ep_size"], cols["moe_dp_size"] = [par.tp_size] * n, [par.ep_size] * n, [par.moe_dp_size] * n
-    cols["moe_tp_size"] = [par.moe_tp_size] * n
-    return cols
-
-
-def _blocks_of(ckpt: Checkpoint, par: Parallel, layer: int) -> list[range]:
-    """The layer's experts (routed, then the fused shared ones) in blocks of about
-    _BLOCK_BYTES of shards over all ranks, sized by rank 0's shard of expert 0."""
-    from moetrace.checkpoints.shards import expected_experts
-
-    n_experts = ckpt.spec.num_experts + ckpt.spec.shared_experts
-    one = expected_experts(ckpt, layer, 0, par, range(0, 1))
-    per_expert = par.moe_tp_size * sum(v[0].numel() * v.element_size() for v in one.values()) or 1
-    block = max(1, _BLOCK_BYTES // per_expert)
-    return [range(e, min(e + block, n_experts)) for e in range(0, n_experts, block)]
 
 
 def build_index(
@@ -190,15 +87,17 @@ def build_index(
     progress: Callable[[int], None] | None = None,
     stats: IndexStats | None = None,
     moe_dp_size: int = 1,
+    cutter: str = "auto",
 ) -> pa.Table:
     """Fingerprint every expected shard; returns an INDEX_SCHEMA table.
 
     progress(n) is called with the number of (model, layer, moe_tp_rank) units finished.
+    cutter: "auto" (on the CPU, shards planned as bytes of the files and hashed where they
+    lie, checkpoints.index_cpu, wherever that is exact; else checkpoints.shards' tensors),
+    "torch" (checkpoints.shards' tensors always: the path the plans are held to in tests).
     """
-
-    from moetrace.checkpoints.shards import Parallel, validate_moe_tp
-
     stats = stats if stats is not None else IndexStats()
+    t0 = time.perf_counter()
     ckpt = open_checkpoint(checkpoint)
     spec = ckpt.spec
     par = Parallel(tp_size=tp_size, ep_size=ep_size, layout=layout, moe_dp_size=moe_dp_size)
@@ -208,27 +107,33 @@ def build_index(
     draft, draft_why = draft_checkpoint(ckpt)
     models = [("target", ckpt, wanted)] + ([("draft", draft, list(draft.spec.moe_layers))] if draft else [])
     layer_units = [(model, c, layer) for model, c, ls in models for layer in ls]
-    units = [(model, c, layer, block) for model, c, layer in layer_units for block in _blocks_of(c, par, layer)]
-    workers = max(1, min(len(units), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
-    parts: list[dict[str, list]] = []
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moetrace-index") as pool:
-        futures = [pool.submit(_block_rows, c, model, par, layer, block, device, stats)
-                   for model, c, layer, block in units]
-        for (model, c, layer, block), fut in zip(units, futures):
-            parts.append(fut.result())
-            if progress and block.stop == c.spec.num_experts + c.spec.shared_experts:
-                progress(par.moe_tp_size)  # a layer's last block: its (model, layer, moe_tp_rank) units
+    if cutter == "auto" and device == "cpu" and all(index_cpu.plannable(c, par, ls) for _, c, ls in models):
+        parts, spent = index_cpu.build_rows({model: c for model, c, _ in models}, par,
+                                            [(model, layer) for model, _, layer in layer_units], progress)
+        stats.seconds_fingerprint = sum(spent["seconds"].values())  # the reads are the hashing's page faults
+        stats.extra.update(spent)
+    else:
+        parts = index_tensors.tensor_rows(layer_units, par, device, progress, stats)
+    table = _table(parts, ckpt, spec, draft, draft_why, par, wanted, layout, ep_size, moe_dp_size, stats, checkpoint)
+    stats.seconds_build += time.perf_counter() - t0
+    return table
+
+
+def _table(parts, ckpt: Checkpoint, spec: MoESpec, draft, draft_why: str, par: Parallel, wanted: list[int],
+           layout: ServerLayout, ep_size: int, moe_dp_size: int, stats: IndexStats, checkpoint) -> pa.Table:
+    """The parts' rows as one INDEX_SCHEMA table in the index's order, with its metadata."""
     cols = {f.name: [] for f in INDEX_SCHEMA}
     for part in parts:
         for k, v in part.items():
             cols[k].extend(v)
     n = len(cols["layer"])
+    for k in ("tp_size", "ep_size", "moe_dp_size", "moe_tp_size"):
+        cols[k] = [getattr(par, k)] * n
     cols["schema_version"] = [INDEX_SCHEMA_VERSION] * n
     cols["checkpoint_id"] = [ckpt.identity] * n
-    table = pa.table({f.name: pa.array(cols[f.name], type=f.type) for f in INDEX_SCHEMA}, schema=INDEX_SCHEMA)
-    table = table.sort_by([("model", "descending"), ("moe_tp_rank", "ascending"), ("layer", "ascending"),
-                           ("expert", "ascending"), ("copy_position", "ascending")])
-    opts = IndexOptions(tp_size, ep_size, tuple(wanted), layout, moe_dp_size)
+    table = _sorted_table(cols)
+    stats.bytes_fingerprinted = sum(cols["nbytes"])
+    opts = IndexOptions(par.tp_size, ep_size, tuple(wanted), layout, moe_dp_size)
     meta = {"checkpoint_id": ckpt.identity, "checkpoint_path": str(Path(checkpoint).resolve()), "moetrace": __version__,
             "family": spec.family, "format": spec.fmt, "quant_method": spec.quant_method,
             "intermediate_size": spec.intermediate_size, "num_experts": spec.num_experts,
@@ -238,6 +143,30 @@ def build_index(
             **asdict(opts), "layout": layout.to_json(), "up_first": layout.up_first}
     stats.rows = n
     return table.replace_schema_metadata({INDEX_META_KEY: json.dumps(meta).encode()})
+
+
+def _sorted_table(cols: dict[str, list]) -> pa.Table:
+    """An INDEX_SCHEMA table of the columns, rows in the index's order (model descending:
+    target first; then moe_tp_rank, layer, expert, copy_position), built from buffers:
+    no pandas, no pyarrow.compute (arrow_columns)."""
+    models = sorted(set(cols["model"]), reverse=True)
+    model_rank = np.array([models.index(m) for m in cols["model"]], dtype=np.int64)
+    order = np.lexsort([np.asarray(cols[k], dtype=np.int64) for k in ("copy_position", "expert", "layer",
+                                                                       "moe_tp_rank")] + [model_rank])
+    arrays = []
+    for f in INDEX_SCHEMA:
+        col = cols[f.name]
+        if pa.types.is_integer(f.type):
+            arrays.append(arrow_columns.numbers(np.asarray(col)[order], f.type))
+            continue
+        items = [col[i] for i in order]
+        if pa.types.is_string(f.type):
+            arrays.append(arrow_columns.strings(items))
+        elif pa.types.is_list(f.type):
+            arrays.append(arrow_columns.int_lists(items, f.type))
+        else:
+            arrays.append(arrow_columns.binaries(items, f.type))
+    return pa.Table.from_arrays(arrays, schema=INDEX_SCHEMA)
 
 
 def _resolve_layers(spec: MoESpec, layers: Iterable[int] | None, checkpoint) -> list[int]:
@@ -310,8 +239,6 @@ def cached_index(
     if not path.exists():
         _writable_cache()
     if path.exists():
-        from moetrace.checkpoints.shards import Parallel
-
         par = Parallel(tp_size=tp_size, ep_size=ep_size, layout=layout, moe_dp_size=moe_dp_size)
         try:  # the key hashes no tensor data: a hit must reproduce a sample of it (checkpoints.index_cache)
             differs = index_cache.verify_hit(path, ckpt, par)
@@ -321,8 +248,11 @@ def cached_index(
             return path, True
         _writable_cache()  # the stale entry is replaced: a read-only cache is one line, never a raw OSError
         path.unlink(missing_ok=True)
+    stats = stats if stats is not None else IndexStats()
     table = build_index(checkpoint, tp_size, ep_size, resolved, layout, device, progress, stats, moe_dp_size)
+    t0 = time.perf_counter()
     write_index(table, path, "MOETRACE_CACHE")
+    stats.seconds_write += time.perf_counter() - t0
     return path, False
 
 
@@ -340,12 +270,17 @@ def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size
                                       moe_dp_size)
         # the copy names the folder asked for now (the cached file names the one that filled the cache) and the
         # cache entry it came from, which a stale verdict drops (analysis.staleness)
+        t1 = time.perf_counter()
         path = copy_index(cached, output, meta={"checkpoint_path": str(Path(checkpoint).resolve()),
                                                 "cached_as": cached.name})
     else:
-        path, reused = write_index(build_index(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats,
-                                               moe_dp_size), output), False
+        table, reused = build_index(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats,
+                                    moe_dp_size), False
+        t1 = time.perf_counter()
+        path = write_index(table, output)
+    stats.seconds_write += time.perf_counter() - t1
     meta = index_metadata(path)
+    spent = stats.extra.get("seconds", {})
     return {
         "index": str(path),
         "checkpoint_id": meta["checkpoint_id"],
@@ -359,4 +294,7 @@ def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size
         "reused_cache": reused,
         "seconds": round(time.perf_counter() - t0, 3),
         "bytes_fingerprinted": stats.bytes_fingerprinted,
+        "timings": {"build_s": round(stats.seconds_build, 3), "write_s": round(stats.seconds_write, 3),
+                    "workers": stats.extra.get("workers"),
+                    **{f"{k}_s": round(v, 3) for k, v in spent.items()}},
     }

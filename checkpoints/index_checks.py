@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from moetrace import fingerprint as fpdef
+from moetrace.checkpoints import arrow_columns
 from moetrace.errors import MoetraceError
 from moetrace.schema import INDEX_SCHEMA_VERSION, format_ids
 
@@ -85,15 +85,17 @@ def check_rows(path, meta: dict, table: pa.Table, moe_tp_rank: int | None = None
     if table.num_rows == 0:
         return
     for col, want in (("schema_version", INDEX_SCHEMA_VERSION), ("checkpoint_id", meta.get("checkpoint_id"))):
-        found = pc.unique(table.column(col)).to_pylist()
+        codes, strings = _codes(path, table, col)
+        found = strings or np.unique(codes).tolist()
         if found != [want]:
             raise _corrupt(path, f"rows hold {col} {sorted(map(str, found))}, the metadata says {want}")
     mtp = meta.get("moe_tp_size")
     n_experts = None if meta.get("num_experts") is None else meta["num_experts"] + int(meta.get("shared_experts") or 0)
     for col, high in (("layer", None), ("expert", n_experts), ("moe_tp_rank", mtp)):
-        lo, hi = pc.min_max(table.column(col)).values()
-        if lo.as_py() < 0 or (high is not None and hi.as_py() >= high):
-            bad = lo.as_py() if lo.as_py() < 0 else hi.as_py()
+        ids = _codes(path, table, col)[0]
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or (high is not None and hi >= high):
+            bad = lo if lo < 0 else hi
             limit = f"0-{high - 1}" if high is not None else ">= 0"
             raise _corrupt(path, f"a row has {col} {bad}, expected {limit}")
     _check_each_row(path, table, names)
@@ -106,23 +108,24 @@ def _check_each_row(path, table: pa.Table, names: list[str]) -> None:
     nbytes = table.column("nbytes").combine_chunks()
     if nbytes.null_count:
         raise _corrupt(path, "a row has no nbytes")
-    nb = nbytes.to_numpy().astype(np.int64)
+    nb = arrow_columns.values(nbytes).astype(np.int64)
     bad = np.flatnonzero(nb < 0)
     if "shape" in names:
         shape = table.column("shape").combine_chunks()
-        dims = pc.list_flatten(shape).to_numpy(zero_copy_only=False).astype(np.int64)
-        offsets = shape.offsets.to_numpy().astype(np.int64)
-        offsets -= offsets[0]  # a sliced array's offsets point into a longer values buffer
+        if shape.null_count or shape.values.null_count:
+            raise _corrupt(path, "a row's shape is or holds a null")
+        dims, offsets = arrow_columns.list_values(shape)  # offsets from 0, into dims
+        dims = dims.astype(np.int64)
         prod = np.ones(len(nb), dtype=np.int64)
         nonempty = np.flatnonzero(np.diff(offsets) > 0)
         if len(dims):
             prod[nonempty] = np.multiply.reduceat(dims, offsets[:-1][nonempty])
-        dtypes = table.column("dtype").combine_chunks().dictionary_encode()
-        itemsize = np.array([_itemsize(d) or 0 for d in dtypes.dictionary.to_pylist()], dtype=np.int64)
+        dtype_codes, dtype_names = _codes(path, table, "dtype")
+        itemsize = np.array([_itemsize(d) or 0 for d in dtype_names], dtype=np.int64)
         if (itemsize == 0).any():
-            unknown = [d for d, k in zip(dtypes.dictionary.to_pylist(), itemsize) if k == 0]
+            unknown = [d for d, k in zip(dtype_names, itemsize) if k == 0]
             raise _corrupt(path, f"rows have dtype {unknown[0]!r}, not a torch dtype")
-        want = prod * itemsize[dtypes.indices.to_numpy(zero_copy_only=False)]
+        want = prod * itemsize[dtype_codes]
         bad = np.union1d(bad, np.flatnonzero(want != nb))
     if len(bad):
         i = int(bad[0])
@@ -130,8 +133,8 @@ def _check_each_row(path, table: pa.Table, names: list[str]) -> None:
     if "chunk_digests" not in names:
         return
     chunks = table.column("chunk_digests").combine_chunks()
-    lengths = pc.binary_length(chunks).to_numpy(zero_copy_only=False)
-    wrong = np.flatnonzero(np.nan_to_num(lengths, nan=-1) != 16 * -(-nb // fpdef.CHUNK_BYTES))
+    lengths = np.where(arrow_columns.valid(chunks), np.diff(arrow_columns.offsets(chunks)), -1)  # null: -1
+    wrong = np.flatnonzero(lengths != 16 * -(-nb // fpdef.CHUNK_BYTES))
     if len(wrong):
         i = int(wrong[0])
         raise _corrupt(path, f"{_row(table, i)} has {lengths[i]} bytes of chunk digests, its {nb[i]} bytes need "
@@ -154,6 +157,49 @@ def _row(table: pa.Table, i: int) -> str:
     return _where(r["model"], r["layer"], r["expert"], r["tensor"])
 
 
+def _codes(path, table: pa.Table, col: str) -> tuple[np.ndarray, list]:
+    """A column as integer codes (and the values they stand for, for a string column)."""
+    arr = table.column(col).combine_chunks()
+    if arr.null_count:
+        raise _corrupt(path, f"a row has no {col}")
+    return arrow_columns.codes(arr)
+
+
+def _layer_stats(path, table: pa.Table) -> list[dict]:
+    """Per (model, moe_tp_rank, layer): its rows, its distinct experts and tensors."""
+    model, names = _codes(path, table, "model")
+    rank, layer, expert = (_codes(path, table, c)[0] for c in ("moe_tp_rank", "layer", "expert"))
+    tensor, _ = _codes(path, table, "tensor")
+    keys, group = np.unique(np.stack([model, rank, layer], axis=1), axis=0, return_inverse=True)
+    group = group.reshape(-1)
+    distinct = lambda codes: np.bincount(  # noqa: E731
+        np.unique(np.stack([group, codes], axis=1), axis=0)[:, 0], minlength=len(keys))
+    rows, experts, tensors = np.bincount(group, minlength=len(keys)), distinct(expert), distinct(tensor)
+    return [{"model": names[m], "moe_tp_rank": int(r), "layer": int(layer_id), "expert_count": int(rows[i]),
+             "expert_count_distinct": int(experts[i]), "tensor_count_distinct": int(tensors[i])}
+            for i, (m, r, layer_id) in enumerate(keys)]
+
+
+def distinct_rows(path, table: pa.Table, cols: list[str]) -> list[dict]:
+    """The distinct combinations of these columns' values, in sorted order of their codes."""
+    coded = [_codes(path, table, c) for c in cols]
+    if not table.num_rows:
+        return []
+    keys = np.unique(np.stack([codes for codes, _ in coded], axis=1), axis=0)
+    return [{c: (names[k] if names else int(k)) for c, (_, names), k in zip(cols, coded, key)} for key in keys]
+
+
+def rows_where(path, table: pa.Table, **equal) -> pa.Table:
+    """The rows whose columns equal these values (model by name, ids by number)."""
+    keep = np.ones(table.num_rows, dtype=bool)
+    for col, want in equal.items():
+        codes, names = _codes(path, table, col)
+        if names:
+            want = names.index(want) if want in names else -1
+        keep &= codes == want
+    return arrow_columns.take(table, np.flatnonzero(keep))
+
+
 def _check_coverage(path, meta: dict, table: pa.Table, moe_tp_rank: int | None) -> None:
     """Every listed layer holds every expert with the same tensors, per moe_tp_rank read."""
     if meta.get("num_experts") is None:
@@ -164,9 +210,7 @@ def _check_coverage(path, meta: dict, table: pa.Table, moe_tp_rank: int | None) 
     draft = meta.get("draft")
     if isinstance(draft, dict) and "excluded" not in draft:
         models["draft"] = draft.get("layers")
-    stats = table.group_by(["model", "moe_tp_rank", "layer"]).aggregate(
-        [("expert", "count_distinct"), ("tensor", "count_distinct"), ("expert", "count")]).to_pylist()
-    held = {(s["model"], s["moe_tp_rank"], s["layer"]): s for s in stats}
+    held = {(s["model"], s["moe_tp_rank"], s["layer"]): s for s in _layer_stats(path, table)}
     for model, layers in models.items():
         for r in ranks:
             missing = [layer for layer in layers or () if (model, r, layer) not in held]

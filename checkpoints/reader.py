@@ -18,8 +18,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from safetensors import safe_open
-
 from moetrace.checkpoints.extra import DRAFT_PREFIX, draft_spec, shared_expert_count
 from moetrace.checkpoints.safetensors_file import DTYPE_BYTES, TensorInfo, host_copy, read_header, torch_dtypes
 from moetrace.checkpoints.spec import (
@@ -154,6 +152,8 @@ class Checkpoint:
     def _read(self, t: TensorInfo, name: str, rows, cols, into: torch.Tensor | None) -> torch.Tensor:
         handle = self._handles.get(t.file)
         if handle is None:
+            from safetensors import safe_open  # only reads pread cannot do: headers are parsed here
+
             try:
                 handle = self._handles[t.file] = safe_open(str(t.file), framework="pt")
             except Exception as err:  # safetensors raises its own types

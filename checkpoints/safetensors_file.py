@@ -26,6 +26,13 @@ DTYPE_BYTES = {
     "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
 }  # fmt: skip
 
+# Safetensors dtype code -> the dtype as the schemas spell it (schema.dtype_name of the torch
+# dtype torch_dtypes() reads it as): the index's dtype column, without torch.
+SCHEMA_DTYPES = {
+    "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I16": "int16",
+    "F16": "float16", "BF16": "bfloat16", "I32": "int32", "F32": "float32", "I64": "int64", "F64": "float64",
+}  # fmt: skip
+
 
 @functools.cache
 def torch_dtypes() -> dict[str, "torch.dtype"]:

@@ -63,7 +63,7 @@ def _index(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layout_f
     from moetrace.checkpoints.index_build import make_index
     from moetrace.checkpoints.layout import ServerLayout
     from moetrace.checkpoints.reader import open_checkpoint
-    from moetrace.checkpoints.shards import check_split
+    from moetrace.checkpoints.shard_cuts import check_split
     from moetrace.errors import MoetraceError
     from moetrace.schema import parse_ids
 

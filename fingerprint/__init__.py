@@ -34,8 +34,9 @@ METHODS = ("xxhash", "torch", "triton", "reference")
 
 __all__ = [
     "CHUNK_BYTES", "DIGEST_BYTES", "FP_VERSION", "METHODS", "Fingerprint", "chunk_digest", "default_method",
-    "finalize", "fingerprint", "fingerprint_bytes", "fingerprint_many", "fingerprint_rows", "n_chunks_for",
-    "raw_bytes", "reference_fingerprint_bytes", "row_bytes", "row_chunk_digests", "tensor_digest", "triton_available",
+    "finalize", "fingerprint", "fingerprint_bytes", "fingerprint_many", "fingerprint_rows", "host_chunk_digests",
+    "n_chunks_for", "raw_bytes", "reference_fingerprint_bytes", "row_bytes", "row_chunk_digests", "tensor_digest",
+    "triton_available",
 ]
 
 _xxh3_128 = xxhash.xxh3_128_digest
@@ -91,10 +92,10 @@ def reference_fingerprint_bytes(data) -> Fingerprint:
 # ---------------------------------------------------------------- host bytes (the CPU path)
 
 
-def _host_chunk_digests(view: memoryview, start: int, stop: int) -> bytes:
-    """Concatenated chunk digests of view[start:stop], one xxhash call per chunk over a
-    zero-copy slice. xxhash releases the GIL only above 64 KiB, so a chunk's call holds
-    it: one thread hashes (docs/fingerprint.md, "Threads")."""
+def host_chunk_digests(view: memoryview, start: int, stop: int) -> bytes:
+    """Concatenated chunk digests of view[start:stop] (chunks counted from `start`), one
+    xxhash call per chunk over a zero-copy slice. xxhash releases the GIL only above
+    64 KiB, so a chunk's call holds it: one thread hashes (docs/fingerprint.md, "Threads")."""
     f = _xxh3_128
     return b"".join([f(view[o : min(o + CHUNK_BYTES, stop)]) for o in range(start, stop, CHUNK_BYTES)])
 
@@ -102,7 +103,7 @@ def _host_chunk_digests(view: memoryview, start: int, stop: int) -> bytes:
 def fingerprint_bytes(data) -> Fingerprint:
     """Fingerprint of a host byte buffer (same digest as a uint8 tensor of those bytes)."""
     view = memoryview(data).cast("B")
-    chunks = _host_chunk_digests(view, 0, len(view))
+    chunks = host_chunk_digests(view, 0, len(view))
     return Fingerprint(tensor_digest(chunks, len(view)), chunks, len(view))
 
 
@@ -111,7 +112,7 @@ def _rows_chunk_digests_host(flat: memoryview, n_rows: int, row_len: int) -> np.
     n = n_chunks_for(row_len)
     out = np.empty((n_rows, n, DIGEST_BYTES), dtype=np.uint8)
     for r in range(n_rows):
-        digests = _host_chunk_digests(flat, r * row_len, (r + 1) * row_len)
+        digests = host_chunk_digests(flat, r * row_len, (r + 1) * row_len)
         out[r] = np.frombuffer(digests, dtype=np.uint8).reshape(n, DIGEST_BYTES)
     return out
 

@@ -85,13 +85,15 @@ def test_blocks_of_experts_give_every_rank_its_own_cut(ckpt, monkeypatch, tp, bl
     """Work units are blocks of experts over every moe_tp_rank, and a column cut (w2 and its
     scale) reads its rows once for all ranks: each rank still gets its own columns, in
     blocks of one expert and of several with a shorter last one (buffers refilled)."""
-    monkeypatch.setattr(ixb, "_BLOCK_BYTES", block_bytes)
+    from moetrace.checkpoints import index_tensors
     from moetrace.checkpoints.reader import open_checkpoint
     from moetrace.checkpoints.shards import Parallel
 
-    blocks = ixb._blocks_of(open_checkpoint(ckpt), Parallel(tp_size=tp), 1)
+    monkeypatch.setattr(index_tensors, "_BLOCK_BYTES", block_bytes)
+    blocks = index_tensors._blocks_of(open_checkpoint(ckpt), Parallel(tp_size=tp), 1)
     assert len(blocks) > 1 and (block_bytes == 1 or len(blocks[-1]) < len(blocks[0]))
-    rows = {(r["moe_tp_rank"], r["layer"], r["expert"], r["tensor"]): r for r in ixb.build_index(ckpt, tp).to_pylist()}
+    rows = {(r["moe_tp_rank"], r["layer"], r["expert"], r["tensor"]): r
+            for r in ixb.build_index(ckpt, tp, cutter="torch").to_pylist()}
     i_tp = I // tp
     for r in range(tp):
         cols = torch.arange(r * i_tp, (r + 1) * i_tp).unsqueeze(0)
@@ -240,7 +242,7 @@ def test_device_paths_give_the_cpu_index(ckpt, monkeypatch):
     assert ixb.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     want = ixb.build_index(ckpt, 2, layers=[1])
     monkeypatch.setenv("MOETRACE_FP_METHOD", "torch")
-    assert ixb.build_index(ckpt, 2, layers=[1]).equals(want)
+    assert ixb.build_index(ckpt, 2, layers=[1], cutter="torch").equals(want)
     if not torch.cuda.is_available():
         with pytest.raises(MoetraceError, match="--device cuda: CUDA is not available"):
             ixb.build_index(ckpt, 2, layers=[1], device="cuda")

@@ -1,10 +1,15 @@
 """Commands that need no tensors do not import torch (seconds of start-up for
-milliseconds of work): `hook-spec`, with or without an index to read. Judged by the
-modules a run loaded, in a fresh process, never by time.
+milliseconds of work): `hook-spec`, with or without an index to read, and `index` on the
+CPU, built or answered from the cache (the shards are planned as bytes of the files and
+hashed with xxhash; the hit's proof re-hashes its sample the same way). `index` loads only
+click, numpy, pyarrow and xxhash besides the standard library: no pandas either (pyarrow
+imports it on its first conversion of Python values; checkpoints/arrow_columns.py), nor
+pyarrow.compute for an index of this size. Judged
+by the modules a run loaded, in a fresh process, never by time.
 
-`index` answered from the cache does load torch: the config is read as SGLang reads it,
-through transformers' AutoConfig (which imports torch where it is installed), and the
-hit is proved by cutting a sample of shards again (checkpoints/index_cache.py)."""
+The first `index` of a config.json reads it as SGLang does, through transformers'
+AutoConfig (which imports torch where it is installed); its answer is kept in
+$MOETRACE_CACHE/config/, and every later process reads it back."""
 
 from __future__ import annotations
 
@@ -31,12 +36,17 @@ class Watch:
         return None
 
 sys.meta_path.insert(0, Watch())
+import importlib, os
+if os.environ.get("PROBE_IMPORT"):  # a negative control: what a regression would load
+    importlib.import_module(os.environ["PROBE_IMPORT"])
 from moetrace.cli import main
 try:
     main(sys.argv[1:])
 except SystemExit as e:
     code = e.code
-print(json.dumps({"code": code, "torch": "torch" in sys.modules, "importer": Watch.importer}))
+packages = sorted({m.split(".")[0] for m in sys.modules} - set(sys.stdlib_module_names))
+print(json.dumps({"code": code, "torch": "torch" in sys.modules, "importer": Watch.importer, "packages": packages,
+                  "pyarrow_compute": "pyarrow.compute" in sys.modules}))
 """
 
 
@@ -68,3 +78,40 @@ def test_hook_spec_does_not_import_torch(tmp_path):
 
 def test_hook_spec_with_an_index_reads_it_without_torch(small_index, tmp_path):
     _torch_free(_run("hook-spec", "--out", tmp_path / "traces", "--index", small_index, "--guard", "alert"))
+
+
+# What `moetrace index` may load besides the standard library (and the interpreter's own
+# hooks: the editable install's finder, setuptools' distutils shim, Cython's runtime).
+INDEX_PACKAGES = {"click", "moetrace", "numpy", "pyarrow", "xxhash"}
+
+
+def _third_party(out: dict) -> set[str]:
+    return {p for p in out["packages"] if not p.startswith("_") and p not in ("cython_runtime",)}
+
+
+def test_index_built_and_from_the_cache_loads_no_torch_nor_pandas(make_ckpt, tmp_path):
+    """A build (the cache holds no index of it) and a cache hit, both proved on the data,
+    in processes whose config answer is cached (the first run's)."""
+    import os
+    import shutil
+
+    ckpt = make_ckpt(family="qwen3_5_moe", fmt="fp8_block", num_layers=2, num_experts=4, hidden=256,
+                     intermediate=512, draft=True)
+    env = {**os.environ, "MOETRACE_CACHE": str(tmp_path / "cache")}
+    _run("index", ckpt, "--tp", "2", "-o", tmp_path / "first.parquet", env=env)  # fills the config answer
+    shutil.rmtree(tmp_path / "cache" / "index")
+    for run in ("built", "from the cache"):
+        out = _run("index", ckpt, "--tp", "2", "-o", tmp_path / f"{run}.parquet", "--json", env=env)
+        assert not out["torch"], f"{run}: torch imported by {out['importer']}"
+        assert _third_party(out) <= INDEX_PACKAGES, f"{run}: {sorted(_third_party(out) - INDEX_PACKAGES)}"
+        assert not out["pyarrow_compute"], f"{run}: pyarrow.compute imported (40-90 ms)"
+    assert (tmp_path / "built.parquet").read_bytes() == (tmp_path / "from the cache.parquet").read_bytes()
+
+
+def test_the_package_list_sees_pandas(tmp_path):
+    """Negative control: a run that loads pandas is told from one that does not."""
+    import os
+
+    clean = _run("hook-spec", "--out", tmp_path / "traces")
+    out = _run("hook-spec", "--out", tmp_path / "traces", env={**os.environ, "PROBE_IMPORT": "pandas"})
+    assert _third_party(clean) <= INDEX_PACKAGES and "pandas" in _third_party(out) - INDEX_PACKAGES

@@ -1,0 +1,231 @@
+"""The CPU index path (checkpoints.shard_plan, shard_hash, index_cpu): the same rows as the
+tensors checkpoints.shards cuts (the path every index was built by before, itself held to
+SGLang's loader in test_loader_oracle.py), for every family, format, scale dtype, TP/EP
+split and layout; in worker processes and with pread instead of a mapping too."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetrace import fingerprint as fpdef
+from moetrace.checkpoints import index_build as ixb
+from moetrace.checkpoints import index_cpu, shard_hash, shard_plan
+from moetrace.checkpoints.layout import ServerLayout
+from moetrace.checkpoints.reader import draft_checkpoint, open_checkpoint
+from moetrace.checkpoints.safetensors_file import SCHEMA_DTYPES, torch_dtypes
+from moetrace.checkpoints.shards import Parallel, expected_experts
+from moetrace.schema import dtype_name
+
+H, E = 256, 4
+
+# (id, writer kwargs): every format and scale dtype the plans cover, each family's names
+CHECKPOINTS = [
+    ("qwen3_5_fp8_block_bf16_draft", dict(family="qwen3_5_moe", fmt="fp8_block", scale_dtype="bfloat16", draft=True,
+                                          shared_expert=True)),
+    ("qwen3_moe_fp8_block_f32_h320", dict(family="qwen3_moe", fmt="fp8_block", scale_dtype="float32", hidden=320)),
+    ("qwen3_next_fp8_block_f16_512", dict(family="qwen3_next", fmt="fp8_block", scale_dtype="float16",
+                                          intermediate=512, num_files=3)),
+    ("deepseek_fp8_block_shared", dict(family="deepseek_v3", fmt="fp8_block", scale_dtype="float32",
+                                       shared_expert=True, block=(128, 64))),
+    ("qwen3_moe_fp8_channel_f32", dict(family="qwen3_moe", fmt="fp8_channel", scale_dtype="float32")),
+    ("qwen3_next_fp8_channel_bf16", dict(family="qwen3_next", fmt="fp8_channel", scale_dtype="bfloat16",
+                                         num_files=1)),
+    ("qwen3_moe_fp8_tensor", dict(family="qwen3_moe", fmt="fp8_tensor", scale_dtype="float32")),
+    ("deepseek_bf16", dict(family="deepseek_v3", fmt="bf16", scale_dtype="bfloat16")),
+    ("qwen3_5_bf16_fused", dict(family="qwen3_5_moe", fmt="bf16", scale_dtype="bfloat16", fused=True,
+                                shared_expert=True)),
+]
+SPLITS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (2, 2, 1), (4, 1, 2)]
+
+
+def _write(make_ckpt, kw: dict) -> Path:
+    kw = {"num_layers": 2, "num_experts": E, "hidden": H, "intermediate": 512, "dense_layers": 1, **kw}
+    return make_ckpt(**kw)
+
+
+def _fused_fp8(src: Path, dst: Path, family: str) -> Path:
+    """A per-expert FP8 block checkpoint rewritten with fused 3-D experts, as transformers
+    writes them (save_original_format=False): gate_up_proj [E, 2I, H], down_proj [E, H, I]
+    and their block scales under the name the family's SGLang loader maps."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    suffix = {"qwen3_5_moe": "_scale_inv", "deepseek_v3": "_scale"}[family]
+    spec = open_checkpoint(src).spec
+    out, done = {}, set()
+    for name in tensors:
+        found = re.fullmatch(rf"({re.escape(spec.prefix)}\.layers\.(\d+)\.mlp\.experts)\.0\.gate_proj\.weight", name)
+        if found is None or int(found.group(2)) not in spec.moe_layers:  # routed experts only, not stand-ins
+            continue
+        stem = found.group(1)
+        n = sum(1 for k in tensors if k.startswith(stem + ".") and k.endswith(".gate_proj.weight"))
+        get = lambda e, p, k: tensors[f"{stem}.{e}.{p}_proj.{k}"]  # noqa: E731
+        for kind, key in (("", "weight"), (suffix, "weight_scale_inv")):
+            out[f"{stem}.gate_up_proj{kind}"] = torch.stack([torch.cat([get(e, "gate", key), get(e, "up", key)])
+                                                             for e in range(n)])
+            out[f"{stem}.down_proj{kind}"] = torch.stack([get(e, "down", key) for e in range(n)])
+        done |= {k for k in tensors if k.startswith(stem + ".") and k.split(stem + ".")[1].split(".")[0].isdigit()}
+    out.update({k: v for k, v in tensors.items() if k not in done})
+    dst.mkdir()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    return dst
+
+
+@pytest.fixture(scope="module")
+def fused_fp8(make_ckpt, tmp_path_factory):
+    made = {}
+    for family in ("qwen3_5_moe", "deepseek_v3"):
+        src = _write(make_ckpt, dict(family=family, fmt="fp8_block", scale_dtype="bfloat16" if family != "deepseek_v3"
+                                     else "float32", num_files=1))
+        made[family] = _fused_fp8(src, tmp_path_factory.mktemp("fused") / family, family)
+        assert open_checkpoint(made[family]).spec.fused_experts
+    return made
+
+
+def _both(ckpt: Path, tp: int, ep: int = 1, moe_dp: int = 1, layout: ServerLayout = ServerLayout()):
+    stats = ixb.IndexStats()
+    planned = ixb.build_index(ckpt, tp, ep, moe_dp_size=moe_dp, layout=layout, stats=stats)
+    assert "workers" in stats.extra, "the CPU path did not build this index"
+    return planned, ixb.build_index(ckpt, tp, ep, moe_dp_size=moe_dp, layout=layout, cutter="torch")
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CHECKPOINTS])
+@pytest.mark.parametrize("tp,ep,moe_dp", SPLITS)
+def test_rows_equal_the_tensor_path(make_ckpt, case, tp, ep, moe_dp):
+    """Every row (digests, chunk digests, dtype, shape, nbytes) and the metadata: equal."""
+    ckpt = _write(make_ckpt, dict(CHECKPOINTS)[case])
+    planned, cut = _both(ckpt, tp, ep, moe_dp)
+    assert planned.num_rows == cut.num_rows > 0
+    assert planned.equals(cut, check_metadata=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "deepseek_v3"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_fused_fp8_rows_equal_the_tensor_path(fused_fp8, family, tp):
+    planned, cut = _both(fused_fp8[family], tp)
+    assert planned.equals(cut, check_metadata=True)
+
+
+@pytest.mark.parametrize("up_first,padded", [(True, None), (False, 384), (True, 640)])
+@pytest.mark.parametrize("case", ["qwen3_5_fp8_block_bf16_draft", "qwen3_next_fp8_channel_bf16", "qwen3_5_bf16_fused"])
+def test_layouts_equal_the_tensor_path(make_ckpt, case, up_first, padded):
+    """Up rows first, and the runner's padding of I per rank (zeros after each half, after
+    each w2 row, whole blocks of zero scales)."""
+    ckpt = _write(make_ckpt, dict(CHECKPOINTS)[case])
+    tp = 2
+    planned, cut = _both(ckpt, tp, layout=ServerLayout(up_first, padded))
+    assert planned.equals(cut, check_metadata=True)
+
+
+def test_plans_are_the_shards_bytes(make_ckpt):
+    """Byte for byte, not only digest for digest: each plan's bytes are the tensor
+    checkpoints.shards cuts, over every piece boundary (also read from the middle)."""
+    for case in ("qwen3_moe_fp8_block_f32_h320", "qwen3_5_fp8_block_bf16_draft", "qwen3_next_fp8_channel_bf16",
+                 "qwen3_moe_fp8_tensor", "qwen3_5_bf16_fused"):
+        ckpt = open_checkpoint(_write(make_ckpt, dict(CHECKPOINTS)[case]))
+        files = shard_hash.FileBytes()
+        for layout in (ServerLayout(), ServerLayout(True, 384)):
+            par = Parallel(2, layout=layout)
+            for r in range(2):
+                experts = range(ckpt.spec.num_experts + ckpt.spec.shared_experts)
+                shards = expected_experts(ckpt, 1, r, par, experts)
+                for e in experts:
+                    plans = shard_plan.plan_expert(ckpt, 1, e, r, par)
+                    assert list(plans) == list(shards)
+                    for name, plan in plans.items():
+                        want = shards[name][e]
+                        data = fpdef.raw_bytes(want).numpy().tobytes()
+                        assert shard_hash.shard_bytes(plan, files) == data, (case, name, e, r)
+                        assert plan.dtype == dtype_name(want.dtype) and plan.shape == tuple(want.shape)
+                        assert shard_hash.shard_bytes(plan, files, 7, len(data) - 5) == data[7:len(data) - 5]
+        files.close()
+
+
+def test_worker_processes_small_gathers_and_pread_give_the_same_rows(make_ckpt, monkeypatch):
+    """Units in forked workers; a gather buffer smaller than a run (grown) and than a chunk;
+    files that cannot be mapped (pread into a reused buffer)."""
+    ckpt = _write(make_ckpt, dict(CHECKPOINTS)["qwen3_moe_fp8_block_f32_h320"])
+    want = ixb.build_index(ckpt, 2, cutter="torch")
+    monkeypatch.setattr(index_cpu, "PROCESS_BYTES", 0)
+    monkeypatch.setattr(index_cpu, "UNIT_BYTES", 1)  # one expert per unit: many units
+    stats = ixb.IndexStats()
+    assert ixb.build_index(ckpt, 2, stats=stats).equals(want)
+    assert stats.extra["workers"] == min(2, len(os.sched_getaffinity(0)))
+    monkeypatch.setattr(index_cpu, "PROCESS_BYTES", 1 << 40)
+    monkeypatch.setattr(index_cpu, "_HASHER", shard_hash.ChunkHasher(gather_bytes=100))
+    assert ixb.build_index(ckpt, 2).equals(want)
+
+    def no_mapping(*a, **k):
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(index_cpu, "_HASHER", None)
+    monkeypatch.setattr(shard_hash.mmap, "mmap", no_mapping)
+    assert ixb.build_index(ckpt, 2).equals(want)
+
+
+def test_a_wrong_cut_is_seen(make_ckpt, monkeypatch):
+    """Negative controls: the comparison above tells a shifted column cut and swapped
+    halves from the right ones."""
+    ckpt = _write(make_ckpt, dict(CHECKPOINTS)["qwen3_moe_fp8_block_f32_h320"])
+    planned, cut = _both(ckpt, 2)
+    assert planned.equals(cut)
+    assert not ixb.build_index(ckpt, 2, layout=ServerLayout(up_first=True)).equals(cut)
+    real = shard_plan._Region.cut
+
+    def shifted(self, rows=None, cols=None, **kw):
+        if cols is not None and cols[0] > 0:
+            cols = (cols[0] - 1, cols[1] - 1)
+        return real(self, rows, cols, **kw)
+
+    monkeypatch.setattr(shard_plan._Region, "cut", shifted)
+    wrong = ixb.build_index(ckpt, 2)
+    assert not wrong.equals(cut)
+    differs = {r["tensor"] for r, w in zip(cut.to_pylist(), wrong.to_pylist()) if r["digest"] != w["digest"]}
+    assert differs == {"w2_weight", "w2_weight_scale_inv"}
+
+
+def test_transforms_take_the_tensor_path(make_ckpt):
+    """A post-load transform computes: no plan, the tensors' path (same rows as before)."""
+    ckpt = open_checkpoint(_write(make_ckpt, dict(CHECKPOINTS)["qwen3_moe_fp8_tensor"]))
+    layout = ServerLayout(transforms=("fp8_tensor_w13_requant",))
+    assert shard_plan.plan_expert(ckpt, 1, 0, 0, Parallel(2, layout=layout)) is None
+    stats = ixb.IndexStats()
+    table = ixb.build_index(ckpt.path, 2, layout=layout, stats=stats)
+    assert "workers" not in stats.extra and table.equals(ixb.build_index(ckpt.path, 2, layout=layout, cutter="torch"))
+
+
+def test_draft_rows_are_planned_too(make_ckpt):
+    ckpt = open_checkpoint(_write(make_ckpt, dict(CHECKPOINTS)["qwen3_5_fp8_block_bf16_draft"]))
+    draft, _ = draft_checkpoint(ckpt)
+    assert draft is not None and index_cpu.plannable(draft, Parallel(2), draft.spec.moe_layers)
+    planned, _ = _both(ckpt.path, 2)
+    assert "draft" in planned.column("model").to_pylist()
+
+
+def test_the_table_is_built_as_pyarrow_builds_it(make_ckpt):
+    """Columns made from buffers (no pandas): the table pyarrow makes of the same rows,
+    sorted by pyarrow, schema and all."""
+    import pyarrow as pa
+
+    from moetrace.schema import INDEX_SCHEMA
+
+    table = ixb.build_index(_write(make_ckpt, dict(CHECKPOINTS)["qwen3_5_fp8_block_bf16_draft"]), 2)
+    rows = table.to_pylist()
+    rows.reverse()
+    want = pa.Table.from_pylist(rows, schema=INDEX_SCHEMA).sort_by([
+        ("model", "descending"), ("moe_tp_rank", "ascending"), ("layer", "ascending"), ("expert", "ascending"),
+        ("copy_position", "ascending")])
+    assert table.equals(want.replace_schema_metadata(table.schema.metadata), check_metadata=True)
+    assert table.column("model").to_pylist()[0] == "target" and "draft" in table.column("model").to_pylist()
+
+
+def test_schema_dtype_names_are_the_torch_dtypes_names():
+    assert SCHEMA_DTYPES == {code: dtype_name(dt) for code, dt in torch_dtypes().items()}
