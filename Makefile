@@ -92,9 +92,11 @@ $(SGLANG_VENV)/.installed: $(SGLANG_VENV)/.deps $(VENV)/.installed
 sglang-venv: $(SGLANG_VENV)/.installed
 
 # Prints the per-run summaries, where the reports are, and the verdict last (the ranks'
-# own output goes to demo-out/logs/).
-demo: $(VENV)/.installed
-	@$(VENV)/bin/moetrace demo
+# own output goes to demo-out/logs/). The second act runs the real SGLang server on this CPU
+# (its venv built beside .venv, the import stand-ins of tests/support/sglang_cpu on its path).
+demo:
+	@$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(SGLANG_VENV)/.installed
+	@$(VENV)/bin/moetrace demo --sglang-python $(SGLANG_PY) --server-pythonpath tests/support/sglang_cpu
 
 # The linter first (pyproject.toml: imports sorted, line length), then the suite.
 # MOETRACE_REQUIRE_FORK / _VLLM_SERVER / _SGLANG_SERVER: the tests that run the fork's code or

@@ -41,7 +41,8 @@ def _write_reports(run_id: str, report, reports: Path, with_plot: bool) -> dict:
 
 
 def run_demo(workdir: str | Path, device: str = "cpu", quick: bool = False, transport: str = "auto",
-             progress: Progress | None = None) -> dict:
+             progress: Progress | None = None, sglang_python: str | None = None,
+             server_pythonpath: str | None = None) -> dict:
     from moetrace.analysis.plot import missing_plotter
 
     workdir = Path(workdir)
@@ -50,7 +51,21 @@ def run_demo(workdir: str | Path, device: str = "cpu", quick: bool = False, tran
     # what the run needs, before it starts: without matplotlib the plots are skipped, said once
     no_plot = missing_plotter()
     with fresh_workdir(workdir):
-        return _run_demo(workdir, device, quick, transport, progress, no_plot, t0)
+        summary = _run_demo(workdir, device, quick, transport, progress, no_plot, t0)
+        summary["server_act"] = _server_act(workdir, sglang_python, server_pythonpath, progress)
+        summary["seconds"] = round(time.perf_counter() - t0, 1)
+        return summary
+
+
+def _server_act(workdir: Path, sglang_python: str | None, server_pythonpath: str | None, progress: Progress) -> dict:
+    """The second act (jobs.demo_server), or why it was skipped."""
+    from moetrace.jobs import demo_server
+
+    why = demo_server.missing(sglang_python)
+    if why is not None:
+        return {"skipped": why}
+    with progress.step("second act: the real SGLang server on this CPU, one fault injected"):
+        return demo_server.run_server_act(workdir, sglang_python, server_pythonpath, lambda m: None)
 
 
 def _run_demo(workdir: Path, device: str, quick: bool, transport: str, progress: Progress, no_plot: str | None,
@@ -118,9 +133,22 @@ def print_demo(summary: dict, echo: Callable[[str], None] = print) -> None:
     echo(f"reports: {Path(unf['reports']['markdown']).parent}/ (json, md, junit per run); traces: "
          f"{Path(unf['trace']).parent}/; rank logs (kt-kernel's and the servers' own output): "
          f"{Path(unf['rank_logs']).parent}/")
+    act = summary.get("server_act") or {}
+    if act.get("skipped"):
+        echo(f"second act (the real SGLang server) skipped: {act['skipped']}")
+    elif act:
+        echo(f"== second act: the real SGLang server on this CPU (TP2), TP rank 1's w2_weight of experts 0 and 2 "
+             f"swapped through param.data before moetrace reads it ({act['seconds']} s)")
+        for s in act["first_divergence"][:1]:
+            echo(f"first divergence: {s}")
+        for s in act["summaries"][:2]:
+            echo(f"  {s}")
+        echo(f"  {'named exactly' if act['ok'] else 'NOT named as injected'}: {act['detail']} (trace: {act['trace']})")
     race = "found" if summary["race_found"] else "NOT found"
     fix = "validated" if summary["fix_validated"] else "NOT validated"
-    echo(f"race {race} unfenced; fix {fix} fenced ({summary['seconds']} s)")
+    named = "" if not act or act.get("skipped") else (
+        "; fault named in the real server" if act["ok"] else "; fault NOT named in the real server")
+    echo(f"race {race} unfenced; fix {fix} fenced{named} ({summary['seconds']} s)")
 
 
 def to_json(summary: dict) -> str:

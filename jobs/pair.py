@@ -30,7 +30,7 @@ RUNS = (("unfenced", "none"), ("fenced", "all"))
 # README recipe's traces/, index.parquet, checkpoint/) are never taken for the demo's.
 MARK = ".moetrace-demo"
 MARK_TEXT = "moetrace demo work folder"
-OUTPUTS = ("checkpoint", "index.parquet", "traces", "reports", "logs")
+OUTPUTS = ("checkpoint", "index.parquet", "traces", "reports", "logs", "server-act")  # server-act: jobs.demo_server
 
 
 @dataclass(frozen=True)
