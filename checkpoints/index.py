@@ -121,7 +121,7 @@ def copy_index(src: Path, dst: str | os.PathLike, option: str = "-o", meta: dict
         outputs.write_local(os.fspath(dst), option, lambda tmp: shutil.copyfile(src, tmp), ours=INDEX_FILE,
                             make_parents=True)
         return Path(dst)
-    table = pq.read_table(src)
+    table = pq.ParquetFile(src).read()  # not read_table: its dataset layer imports pandas
     merged = {**json.loads(table.schema.metadata[INDEX_META_KEY]), **meta}
     return write_index(table.replace_schema_metadata({**table.schema.metadata,
                                                       INDEX_META_KEY: json.dumps(merged).encode()}), dst, option)
