@@ -26,7 +26,7 @@ from moetrace.analysis.index_choice import (
     choose_index,
     matching_index,
 )
-from moetrace.analysis.row_check import RowFacts, rows_problems
+from moetrace.analysis.row_check import RowFacts, merged, rows_problems
 from moetrace.analysis.row_facts import index_contradictions, row_facts
 from moetrace.analysis.sentences import fmt_int, row_doc, sentence
 from moetrace.analysis.staging import staging_problem
@@ -107,6 +107,8 @@ def _runs_section(a: Analysis, incomplete: list[str], warnings: list[str]) -> li
                 "disabled": bool(rk.manifest.get("disabled")),
             })
             incomplete += [f"run {run.run_id} rank {r} {p}" for p in rank_problems(rk.manifest)]
+            if d.partial:  # a segment's rows: held to the manifest with the other segments' (rank_row_problems)
+                continue
             incomplete += [f"run {run.run_id} rank {r} {p}"
                            for p in rows_problems(rk.manifest, facts.get((rc, d.label_code(r)), RowFacts()))]
             for path in rk.unlisted_parts:
@@ -340,24 +342,54 @@ def analyze(paths: Sequence[str], index: str | None = None, checkpoint: str | No
         why = f"; {len(skipped)} unreadable part(s) skipped, first {skipped[0][0]}" if skipped else ""
         raise MoetraceError(f"trace {', '.join(paths)} holds no rows: nothing was captured{why}")
     seg, later, problems = weight_updates.split(data)
+    served = _served_folder(data)
     if not later and not problems:
-        return _judge(data, paths, index, checkpoint, max_rows)
-    first = _judge(weight_updates.subset(data, seg == 0), paths, index, checkpoint, max_rows)
+        return _judge(data, paths, index, checkpoint, max_rows, served)
+    first = _judge(weight_updates.subset(data, seg == 0), paths, index, checkpoint, max_rows, served)
     reports = []
     for segment in later:
         rep = None
         if segment.unverifiable is None and segment.mask.any():
             part = weight_updates.subset(data, segment.mask, segment.checkpoint_id)
-            rep = _judge(part, paths, None, segment.model_path, max_rows)  # its index, from its checkpoint
+            rep = _judge(part, paths, None, segment.model_path, max_rows, segment.model_path)  # its own index
         elif segment.unverifiable is None:
             continue  # no row after it (the run ended first)
         reports.append((segment, rep))
+    problems += _rows_against_manifests(data, [first] + [rep for _, rep in reports if rep is not None])
     return weight_updates.combine(first, reports, problems)
 
 
+def _rows_against_manifests(data: TraceData, reports: list[Report]) -> list[str]:
+    """Every rank's rows, over all segments, held to its manifest (each segment's report skips
+    this: its rows are a part of the rank's)."""
+    facts: dict = {}
+    for rep in reports:
+        for key, f in row_facts(rep.analysis).items():
+            facts[key] = merged(facts[key], f) if key in facts else f
+    out = []
+    c = data.cols
+    for run in data.runs:
+        rc = data.run_ids.code(run.run_id)
+        for r, rk in sorted(run.ranks.items(), key=lambda x: label_key(x[0])):
+            code = data.label_code(r) if r in data.labels else -1
+            f = facts.get((rc, code), RowFacts())
+            out += [f"run {run.run_id} rank {r} {p}" for p in rows_problems(rk.manifest, f)]
+            read = int(((c["run"] == rc) & (c["rank"] == code)).sum())
+            if rk.rows_written and read < rk.rows_written:
+                out.append(f"run {run.run_id} rank {r}: read {fmt_int(read)} of {fmt_int(rk.rows_written)} rows the "
+                           "manifest says were written")
+    return out
+
+
+def _served_folder(data: TraceData) -> str | None:
+    """The checkpoint folder every rank's server loaded at start (manifests' checkpoint_path), or None."""
+    paths = {rk.manifest.get("checkpoint_path") for run in data.runs for rk in run.ranks.values()}
+    return paths.pop() if len(paths) == 1 and None not in paths else None
+
+
 def _judge(data: TraceData, paths: Sequence[str], index: str | None, checkpoint: str | None,
-           max_rows: int) -> Report:
-    """The report of these rows against one reference."""
+           max_rows: int, served: str | None = None) -> Report:
+    """The report of these rows against one reference (served: the folder the server loaded)."""
     index_path, trace_layout = choose_index(data, index, checkpoint)
     idx = read_expected(index_path, data.tensors, data.dtypes, models=data.models)
     check_index_fits(data, idx, checkpoint=None if index else checkpoint)
@@ -368,7 +400,8 @@ def _judge(data: TraceData, paths: Sequence[str], index: str | None, checkpoint:
         index_path, idx, trace_layout, note = matching_index(data, index_path, idx, err)
         notes.append(note)
     analysis = Analysis(data, idx, index_path)
-    check_fresh(analysis, checkpoint)  # a divergence against a stale index is the index's, never the server's
+    # a divergence against a stale index, or one of another folder, is the reference's, never the server's
+    check_fresh(analysis, checkpoint, served)
     report = build_report(analysis, list(paths), max_rows=max_rows)
     report.doc["inputs"]["layout"] = idx.layout.to_json()
     report.doc["warnings"] = notes + list(report.doc.get("warnings") or []) + trace_layout.warnings

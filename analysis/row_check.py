@@ -35,6 +35,23 @@ class RowFacts:
     contradicted: dict = field(default_factory=dict)  # online verdict -> rows the index judges otherwise
 
 
+def merged(a: RowFacts, b: RowFacts) -> RowFacts:
+    """The facts of two disjoint sets of one rank's rows (segments split by weight updates)."""
+    def union(x: dict, y: dict) -> dict:
+        return {k: set(x.get(k, set())) | set(y.get(k, set())) for k in set(x) | set(y)}
+
+    def add(x: dict, y: dict) -> dict:
+        return {k: x.get(k, 0) + y.get(k, 0) for k in set(x) | set(y)}
+
+    return RowFacts(rows=a.rows + b.rows, tp_ranks=a.tp_ranks | b.tp_ranks,
+                    moe_tp_ranks=a.moe_tp_ranks | b.moe_tp_ranks,
+                    online=add(a.online, b.online), captures=a.captures + b.captures, steps=a.steps | b.steps,
+                    resident_steps=a.resident_steps | b.resident_steps, slot_counts=union(a.slot_counts, b.slot_counts),
+                    layers=union(a.layers, b.layers), experts=a.experts | b.experts, tensors=a.tensors | b.tensors,
+                    sources=a.sources | b.sources, slot_conflicts=a.slot_conflicts + b.slot_conflicts,
+                    contradicted=add(a.contradicted, b.contradicted))
+
+
 def _layouts(m: dict) -> dict[str, dict]:
     """The manifest's layout facts by layout_key (a key written without the model is the target's)."""
     out = {}

@@ -108,13 +108,30 @@ def _drop_cache_entry(index_path: str, checkpoint_id: str) -> str | None:
     return None
 
 
-def check_fresh(a: Analysis, checkpoint: str | None) -> None:
+def check_fresh(a: Analysis, checkpoint: str | None, served: str | None = None) -> None:
     """Raise (exit 2) when the divergent rows' expected shards, cut again from the
     checkpoint (`checkpoint`, else the one the index records when readable here), are not
-    the index's; nothing when there is no divergence or no readable checkpoint."""
+    the index's; nothing when there is no divergence or no readable checkpoint.
+
+    served: the folder the server itself loaded (its manifests' checkpoint_path). Two
+    checkpoints of one shape share a checkpoint id (the id hashes headers, not data), so
+    when that folder is readable here and is not the one checked, its shards are cut too:
+    an index whose bytes are not the served checkpoint's is the wrong reference (exit 2),
+    never a divergence of the server."""
     if not len(a.divergent_rows()):
         return
     checkpoint = checkpoint or readable_checkpoint(a.idx)
+    if served and os.path.isdir(served) and (checkpoint is None or
+                                             os.path.realpath(served) != os.path.realpath(checkpoint)):
+        other = None
+        with contextlib.suppress(MoetraceError):  # a folder that cannot be cut here is not rechecked
+            other = stale_tensor(a, served)
+        if other is not None:
+            raise MoetraceError(f"index {a.index_path} is not of the checkpoint the server loaded: the server "
+                                    f"loaded {served}, whose shards differ from the index's (tensor {other[0]}; "
+                                    f"{other[1]} of the divergent tensors rechecked differ); the same checkpoint id "
+                                    "(it hashes headers, not data) does not make them the same weights: audit "
+                                    f"against an index of {served} (`moetrace index {served}` or --checkpoint)")
     if checkpoint is None:
         return
     found = stale_tensor(a, checkpoint)

@@ -115,6 +115,7 @@ class TraceData:
     labels: list[str] = field(default_factory=list)  # cols["rank"] code -> rank label of the process
     models: Vocab = field(default_factory=lambda: Vocab(MODELS))  # cols["model"] codes
     shapes: dict = field(default_factory=dict)  # (model code, tensor code, per-expert shape) -> a part holding it
+    partial: bool = False  # a segment of the rows (analysis.weight_updates): counts are held to manifests elsewhere
 
     def label_code(self, label: str) -> int:
         return self.labels.index(label)

@@ -98,7 +98,7 @@ def split(data: TraceData) -> tuple[np.ndarray, list[Segment], list[str]]:
 def subset(data: TraceData, mask: np.ndarray, checkpoint_id: str | None = None) -> TraceData:
     """The rows of `mask`; with checkpoint_id, the runs say that checkpoint was loaded."""
     runs = data.runs if checkpoint_id is None else [replace(r, checkpoint_id=checkpoint_id) for r in data.runs]
-    return replace(data, cols={k: v[mask] for k, v in data.cols.items()}, runs=runs)
+    return replace(data, cols={k: v[mask] for k, v in data.cols.items()}, runs=runs, partial=True)
 
 
 def combine(first, later: list[tuple[Segment, object | None]], problems: list[str]):
@@ -133,7 +133,7 @@ def combine(first, later: list[tuple[Segment, object | None]], problems: list[st
             doc["first_divergence"] = d["first_divergence"]
         doc["divergent_rows_truncated"] = doc.get("divergent_rows_truncated", 0) + d.get("divergent_rows_truncated", 0)
         code = _worse(code, rep.exit_code)
-    doc["incomplete"] = list(doc["incomplete"]) + problems
+    doc["incomplete"] = list(dict.fromkeys(list(doc["incomplete"]) + problems))  # each rank's problems once
     if problems and code == ExitCode.PASS:
         code = ExitCode.INCOMPLETE
     from moetrace.analysis.report import totals_sentence
