@@ -57,9 +57,9 @@ run selftest "$py" -m moetrace.cli selftest --device "$device" $quick $only --js
 run bench_fingerprint "$py" "$here/bench/bench_fingerprint.py" --device "$device" --json $quick
 run bench_capture "$py" "$here/bench/bench_capture.py" --device "$device" $quick
 # `moetrace index --device cuda`: pinned buffers to the kernel; its rows must equal the CPU index's.
-index_size="--experts 32 --rounds 2"
-[ "${DRY_RUN:-0}" = 1 ] && index_size="--experts 2 --rounds 1 --hidden 256 --intermediate 256"
-run bench_index "$py" "$here/bench/bench_index.py" --device "$device" $index_size --json
+index_experts=32
+[ "${DRY_RUN:-0}" = 1 ] && index_experts=4
+run index_device "$py" "$here/bench/index_device_check.py" --device "$device" --experts $index_experts
 run bench_fence "$py" "$here/bench/bench_fence.py" --device "$device" $quick
 # The guard on one full Qwen3.5-122B layer-load (256 experts; 2 in a dry run): target <= 2% of the pinned H2D copy.
 guard_size=""
@@ -101,13 +101,12 @@ try:
 except Exception as err:
     print(f"| bench_guard | no JSON ({err}) |")
 try:
-    ix = json.loads((out / "bench_index.out").read_text())
+    ix = json.loads((out / "index_device.out").read_text())
     same = ix.get("device_index_equals_cpu")
-    print(f"| index on {ix['device']} ({ix['experts']} experts, TP{ix['tp']}) | {ix['index_GBps']} GB/s = "
-          f"{ix['index_throughput_vs_read_once']}x a warm read; rows equal the CPU index: "
+    print(f"| index on {ix['device']} ({ix['experts']} experts, TP2, {ix['rows']} rows) | rows equal the CPU index: "
           f"{'n/a (CPU run)' if same is None else 'YES' if same else 'NO'} |")
 except Exception as err:
-    print(f"| bench_index | no JSON ({err}) |")
+    print(f"| index_device | no JSON ({err}) |")
 for name in ("bench_capture", "bench_fence"):
     tail = (out / f"{name}.out").read_text().strip().splitlines()[-3:] if (out / f"{name}.out").exists() else ["missing"]
     print(f"| {name} | {' / '.join(tail)} |")

@@ -56,10 +56,11 @@ def test_make_installs_quietly():
     recipe = [line for line in makefile.splitlines() if line.startswith("\t")]
     installs = [line for line in recipe if "install" in line.lower() and "$(PIP) install -q torch" not in line
                 and "python3 -m venv" not in line and "echo" not in line and ".installed" not in line]
-    ours = ("$(INSTALL)", "$(VLLM_PIP_INSTALL)", "$(VLLM_UV_INSTALL)")
+    ours = ("$(INSTALL)", "$(VLLM_PIP_INSTALL)", "$(VLLM_UV_INSTALL)", "$(SGLANG_PIP_INSTALL)", "$(SGLANG_UV_INSTALL)")
     assert installs and all(any(w in line for w in ours) for line in installs), installs
     assert "INSTALL := $(PIP) install -q --no-warn-conflicts" in makefile
     assert "VLLM_PIP_INSTALL := $(VLLM_PY) -m pip install -q --no-warn-conflicts" in makefile
+    assert "SGLANG_PIP_INSTALL := $(SGLANG_PY) -m pip install -q --no-warn-conflicts" in makefile
     assert all(line.startswith("\t@") for line in recipe if not line.startswith("\tMOETRACE_REQUIRE_FORK")
                and "pytest" not in line and "rm -rf $(VENV)" not in line), recipe
 

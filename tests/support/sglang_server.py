@@ -104,7 +104,9 @@ def _moetrace(*args: str, timeout: float = 900, **more) -> subprocess.CompletedP
 
 def _result(proc: subprocess.CompletedProcess, t0: float, **more) -> dict:
     return {"returncode": proc.returncode, "seconds": round(time.monotonic() - t0, 1), "stdout": proc.stdout[-20000:],
-            "stderr": proc.stderr[-20000:], **more}
+            "stderr": proc.stderr[-20000:], **more,
+            # moetrace's own lines (the server's output, on stderr too, would push them out of the tail)
+            "moetrace_lines": [line for line in proc.stderr.splitlines() if line.startswith("moetrace")]}
 
 
 def selftest(folder: Path, model: Path, index: Path) -> dict:

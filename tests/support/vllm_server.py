@@ -95,6 +95,8 @@ def audit(folder: Path, name: str, model: Path, index: Path, fault: dict | None)
                           stdin=subprocess.DEVNULL)
     return {"returncode": proc.returncode, "seconds": round(time.monotonic() - t0, 1), "command": cmd,
             "stdout": proc.stdout[-20000:], "stderr": proc.stderr[-20000:], "run_dir": str(folder / "traces" / name),
+            # moetrace's own lines (the server's output, on stderr too, would push them out of the tail)
+            "moetrace_lines": [line for line in proc.stderr.splitlines() if line.startswith("moetrace")],
             "report": json.loads(report.read_text()) if report.exists() else None, "fault": fault}
 
 
