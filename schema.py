@@ -38,8 +38,6 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
-import pyarrow as pa
-
 from moetrace.errors import MoetraceError
 
 INDEX_SCHEMA_VERSION = 3  # 3: fingerprint v3 (XXH3-128 chunk digests)
@@ -141,52 +139,68 @@ def label_key(label: str) -> tuple[int, int, int]:
 
 # ---------------------------------------------------------------- Parquet schemas
 
-def _int16(*names: str) -> list[pa.Field]:
-    return [pa.field(n, pa.int16(), nullable=False) for n in names]
+# Built on first use (``from moetrace.schema import TRACE_SCHEMA`` goes through the module's
+# __getattr__): pyarrow and numpy take ~0.2 s to import, which `moetrace --help` and
+# `hook-spec` never need.
+_SCHEMAS: dict = {}
 
 
-_MODEL_FIELD = pa.field("model", pa.string(), nullable=False)  # one of MODELS
+def _arrow_schemas() -> dict:
+    import pyarrow as pa
 
-_TENSOR_FIELDS = [
-    pa.field("layer", pa.int32(), nullable=False),  # the model's own layer id
-    pa.field("expert", pa.int32(), nullable=False),  # global (logical) expert id
-    pa.field("tensor", pa.string(), nullable=False),  # FusedMoE param name, e.g. w2_weight_scale_inv
-    pa.field("copy_position", pa.int8(), nullable=False),
-    pa.field("dtype", pa.string(), nullable=False),  # dtype_name()
-    pa.field("shape", pa.list_(pa.int64()), nullable=False),  # per-expert shape
-    pa.field("nbytes", pa.int64(), nullable=False),
-    pa.field("digest", pa.binary(16), nullable=False),
-    pa.field("chunk_digests", pa.binary(), nullable=True),  # 16 bytes per fingerprint.CHUNK_BYTES chunk
-]
+    def int16(*names: str) -> list:
+        return [pa.field(n, pa.int16(), nullable=False) for n in names]
 
-# One row per (model, moe_tp_rank, layer, expert, tensor), every expert of every layer: the
-# shard of an expert depends on moe_tp_rank only, and with EPLB any rank may hold any expert.
-INDEX_SCHEMA = pa.schema(
-    [pa.field("schema_version", pa.int16(), nullable=False), pa.field("checkpoint_id", pa.string(), nullable=False),
-     _MODEL_FIELD]
-    + _int16("tp_size", "ep_size", "moe_dp_size", "moe_tp_size", "moe_tp_rank")
-    + _TENSOR_FIELDS
-)
-
-TRACE_SCHEMA = pa.schema(
-    [pa.field("schema_version", pa.int16(), nullable=False), pa.field("run_id", pa.string(), nullable=False),
-     _MODEL_FIELD]
-    + _int16("tp_size", "tp_rank", "ep_size", "ep_rank", "moe_tp_size", "moe_tp_rank", "pp_size", "pp_rank", "replica")
-    + [
-        pa.field("step", pa.int64(), nullable=False),
-        pa.field("source", pa.string(), nullable=False),  # one of SOURCES
-        pa.field("capture_seq", pa.int64(), nullable=False),  # per-rank capture counter
-        pa.field("transport_position", pa.int32(), nullable=False),
-        pa.field("slot", pa.int32(), nullable=False),  # position in the rank's [E_local, ...] param
-        pa.field("expert_copy", pa.int16(), nullable=False),  # physical copy of `expert` (0 = first)
-        pa.field("slot_count", pa.int32(), nullable=False),  # slots of the capture event
+    model_field = pa.field("model", pa.string(), nullable=False)  # one of MODELS
+    tensor_fields = [
+        pa.field("layer", pa.int32(), nullable=False),  # the model's own layer id
+        pa.field("expert", pa.int32(), nullable=False),  # global (logical) expert id
+        pa.field("tensor", pa.string(), nullable=False),  # FusedMoE param name, e.g. w2_weight_scale_inv
+        pa.field("copy_position", pa.int8(), nullable=False),
+        pa.field("dtype", pa.string(), nullable=False),  # dtype_name()
+        pa.field("shape", pa.list_(pa.int64()), nullable=False),  # per-expert shape
+        pa.field("nbytes", pa.int64(), nullable=False),
+        pa.field("digest", pa.binary(16), nullable=False),
+        pa.field("chunk_digests", pa.binary(), nullable=True),  # 16 bytes per fingerprint.CHUNK_BYTES chunk
     ]
-    + _TENSOR_FIELDS
-    + [
-        pa.field("online", pa.string(), nullable=True),  # "match" | "mismatch" | null (not checked)
-        pa.field("time_ns", pa.int64(), nullable=False),  # wall clock at capture
-    ]
-)
+    # One row per (model, moe_tp_rank, layer, expert, tensor), every expert of every layer: the
+    # shard of an expert depends on moe_tp_rank only, and with EPLB any rank may hold any expert.
+    index = pa.schema(
+        [pa.field("schema_version", pa.int16(), nullable=False), pa.field("checkpoint_id", pa.string(), nullable=False),
+         model_field]
+        + int16("tp_size", "ep_size", "moe_dp_size", "moe_tp_size", "moe_tp_rank")
+        + tensor_fields
+    )
+    trace = pa.schema(
+        [pa.field("schema_version", pa.int16(), nullable=False), pa.field("run_id", pa.string(), nullable=False),
+         model_field]
+        + int16("tp_size", "tp_rank", "ep_size", "ep_rank", "moe_tp_size", "moe_tp_rank", "pp_size", "pp_rank",
+                "replica")
+        + [
+            pa.field("step", pa.int64(), nullable=False),
+            pa.field("source", pa.string(), nullable=False),  # one of SOURCES
+            pa.field("capture_seq", pa.int64(), nullable=False),  # per-rank capture counter
+            pa.field("transport_position", pa.int32(), nullable=False),
+            pa.field("slot", pa.int32(), nullable=False),  # position in the rank's [E_local, ...] param
+            pa.field("expert_copy", pa.int16(), nullable=False),  # physical copy of `expert` (0 = first)
+            pa.field("slot_count", pa.int32(), nullable=False),  # slots of the capture event
+        ]
+        + tensor_fields
+        + [
+            pa.field("online", pa.string(), nullable=True),  # "match" | "mismatch" | null (not checked)
+            pa.field("time_ns", pa.int64(), nullable=False),  # wall clock at capture
+        ]
+    )
+    return {"INDEX_SCHEMA": index, "TRACE_SCHEMA": trace}
+
+
+def __getattr__(name: str):
+    if name in ("INDEX_SCHEMA", "TRACE_SCHEMA"):
+        if not _SCHEMAS:
+            _SCHEMAS.update(_arrow_schemas())
+        return _SCHEMAS[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # ---------------------------------------------------------------- id ranges
 

@@ -17,10 +17,12 @@ import os
 import posixpath
 import threading
 import urllib.parse
-
-import pyarrow.fs as pafs
+from typing import TYPE_CHECKING
 
 from moetrace.errors import MoetraceError
+
+if TYPE_CHECKING:  # pyarrow loads where a filesystem is opened: `moetrace --help` and hook-spec need none
+    import pyarrow.fs as pafs
 
 REMOTE_TIMEOUT_ENV = "MOETRACE_REMOTE_TIMEOUT"
 DEFAULT_REMOTE_TIMEOUT_S = 20.0
@@ -57,6 +59,8 @@ def open_fs(out: str, what: str = "output") -> tuple[pafs.FileSystem, str]:
     option in the error ("output", "trace", "index"). A remote file system is contacted
     once here (the base path's info) within ``remote_timeout()``: an unreachable or
     refusing endpoint is one line naming it and the cause, never a hang."""
+    import pyarrow.fs as pafs
+
     out = str(out)
     if "://" not in out:
         return pafs.LocalFileSystem(), os.path.abspath(out)
@@ -128,6 +132,8 @@ def _options(out: str, query: str, known: dict, what: str) -> dict:
 def _remote_fs(out: str, what: str, timeout: float, attempts: int = 2) -> tuple[pafs.FileSystem, str]:
     """S3 and GCS natively with the connect/request timeouts; other schemes from pyarrow's
     URI parser, else fsspec."""
+    import pyarrow.fs as pafs
+
     parts = urllib.parse.urlsplit(out)
     path = (parts.netloc.rsplit("@", 1)[-1] + parts.path).rstrip("/") or "/"
     if parts.scheme == "s3":
@@ -197,14 +203,20 @@ def read_json(fs: pafs.FileSystem, path: str):
 
 def is_link(fs: pafs.FileSystem, path: str) -> bool:
     """Whether a local ``path`` is a symbolic link (object stores have none)."""
+    import pyarrow.fs as pafs
+
     return isinstance(fs, pafs.LocalFileSystem) and os.path.islink(path.rstrip("/") or path)
 
 
 def exists(fs: pafs.FileSystem, path: str) -> bool:
+    import pyarrow.fs as pafs
+
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 
 
 def list_dir(fs: pafs.FileSystem, path: str) -> list[pafs.FileInfo]:
+    import pyarrow.fs as pafs
+
     try:
         return fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
     except FileNotFoundError:

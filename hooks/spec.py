@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-from moetrace.checkpoints.index import index_metadata
 from moetrace.errors import MoetraceError
 from moetrace.schema import parse_ids
 from moetrace.tracer import index_fit
@@ -31,6 +30,8 @@ def hook_config(config: dict) -> dict:
     if conf.get("index") and "://" not in conf["index"] and not os.path.isfile(conf["index"]):
         raise MoetraceError(f"--index {conf['index']}: no such file (build it with `moetrace index`)")
     if conf.get("index"):  # the model's expert count is known: a range past it is an error, never expanded
+        from moetrace.checkpoints.index import index_metadata  # pyarrow: only with an index
+
         meta = index_metadata(conf["index"])  # fused shared experts are ids num_experts + j
         parse_ids(conf.get("experts"), "--experts", bound=meta["num_experts"] + int(meta.get("shared_experts") or 0))
     if conf.get("update_index_dir") and not os.path.isdir(conf["update_index_dir"]):
@@ -45,6 +46,8 @@ def index_fits(index: str, tp_size: int | None = None, model_path: str | None = 
                checkpoint_id: str | None = None) -> None:
     """Refuse an index that cannot fit the server as far as the options tell (tracer.index_fit):
     the guard would only say `unverified`, and the trace could not be audited against it."""
+    from moetrace.checkpoints.index import index_metadata
+
     meta = index_metadata(index)
     why = (index_fit.tp_misfit(meta, tp_size) or index_fit.checkpoint_id_misfit(meta, checkpoint_id)
            or index_fit.checkpoint_misfit(meta, model_path))

@@ -76,6 +76,17 @@ def test_hook_spec_does_not_import_torch(tmp_path):
     assert not out["torch"], f"torch imported by {out['importer']}"
 
 
+def test_help_and_hook_spec_load_click_alone(tmp_path):
+    """`moetrace --help` and `hook-spec` without an index: click and moetrace, no pyarrow or numpy
+    (~0.2 s of imports that neither needs); the Parquet schemas are built on first use."""
+    for args in (("--help",), ("hook-spec", "--out", tmp_path / "traces", "--layers", "0-3")):
+        out = _run(*args)
+        assert _third_party(out) <= {"click", "moetrace"}, (args, sorted(_third_party(out)))
+    from moetrace import schema
+
+    assert schema.TRACE_SCHEMA.field("digest").type.byte_width == 16 and "checkpoint_id" in schema.INDEX_SCHEMA.names
+
+
 def test_hook_spec_with_an_index_reads_it_without_torch(small_index, tmp_path):
     _torch_free(_run("hook-spec", "--out", tmp_path / "traces", "--index", small_index, "--guard", "alert"))
 
