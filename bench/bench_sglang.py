@@ -26,12 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_vllm import free_port, request, stop, tree_cpu_s, wait_healthy
+from bench_vllm import free_port, measure
 
 from moetrace.jobs.timing import cpu_description, median
 
@@ -48,26 +47,7 @@ def serve(kind: str, venv: Path, model: str, out: Path, tag: str, args) -> dict:
         [str(venv / "bin" / "moetrace"), "launch", "--out", str(out), "--run-id", tag, "--", *server]
     env = {**os.environ, **SERVER_ENV, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": str(STANDINS)}
-    url = f"http://127.0.0.1:{port}"
-    with open(out / f"{tag}.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            healthy = wait_healthy(url, proc)
-            for i in range(args.warmup):
-                request(url, 10_000 + i, args.max_tokens)
-            cpu0 = tree_cpu_s(proc.pid)
-            lat = [request(url, i, args.max_tokens) for i in range(args.requests)]
-            cpu = tree_cpu_s(proc.pid) - cpu0
-        finally:
-            stop(proc)
-    res = {"healthy_s": round(healthy, 1), "median_ms": round(1000 * median(lat), 2),
-           "cpu_ms_per_request": round(1000 * cpu / args.requests, 1),
-           "latencies_ms": [round(1000 * x, 2) for x in lat]}
-    if kind == "traced":
-        run = json.loads((out / tag / "_run.json").read_text())
-        res.update(complete=run["complete"], rows=sum(int(r.get("rows_written") or 0) for r in run["ranks"]),
-                   problems=run["problems"])
-    return res
+    return measure(cmd, env, port, out, tag, args, traced=kind == "traced")
 
 
 def main() -> None:

@@ -122,6 +122,13 @@ def serve(kind: str, venv: Path, model: str, out: Path, tag: str, args) -> dict:
         [str(venv / "bin" / "moetrace"), "launch", "--out", str(out), "--run-id", tag, "--", *server]
     env = {**os.environ, **ENV, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("MOETRACE_VLLM_CONFIG", None)
+    return measure(cmd, env, port, out, tag, args, traced=kind == "traced")
+
+
+def measure(cmd: list[str], env: dict, port: int, out: Path, tag: str, args, traced: bool) -> dict:
+    """Start `cmd` (a server, or `moetrace launch -- server`), wait for /health, send the
+    warm-up then the timed requests, stop it; latencies, the server's CPU time per request,
+    and (traced) what its trace says."""
     url = f"http://127.0.0.1:{port}"
     with open(out / f"{tag}.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -137,7 +144,7 @@ def serve(kind: str, venv: Path, model: str, out: Path, tag: str, args) -> dict:
     res = {"healthy_s": round(healthy, 1), "median_ms": round(1000 * median(lat), 2),
            "cpu_ms_per_request": round(1000 * cpu / args.requests, 1),
            "latencies_ms": [round(1000 * x, 2) for x in lat]}
-    if kind == "traced":
+    if traced:
         run = json.loads((out / tag / "_run.json").read_text())
         res.update(complete=run["complete"], rows=sum(int(r.get("rows_written") or 0) for r in run["ranks"]),
                    problems=run["problems"])

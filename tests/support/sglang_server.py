@@ -26,16 +26,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-import pytest
+from support.real_servers import ROOT, ServerVenv, free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 STANDINS = TESTS / "support" / "sglang_cpu"
 REQUIRE_ENV = "MOETRACE_REQUIRE_SGLANG_SERVER"
@@ -56,32 +54,20 @@ TRAFFIC = ["--requests", "2", "--prompt-tokens", "60", "--replays", "1", "--read
 KILL_AFTER = 3  # forwards of layer 0 on TP rank 1 before it is killed
 
 
+SERVER = ServerVenv(".venv-sglang", VENV_ENV, REQUIRE_ENV, "sglang-venv")
+
+
 def venv() -> Path:
-    return Path(os.environ.get(VENV_ENV) or ROOT / ".venv-sglang")
+    return SERVER.path()
 
 
 def missing() -> str | None:
-    """Why the SGLang environment cannot run here, or None."""
-    py, cli = venv() / "bin" / "python", venv() / "bin" / "moetrace"
-    if not py.exists() or not cli.exists():
-        return f"no SGLang environment at {venv()} (make test builds it: the Makefile's sglang-venv target)"
-    return None
+    """Why the environment cannot run here, or None."""
+    return SERVER.missing()
 
 
 def require(result: dict) -> dict:
-    """The job's result, or fail (MOETRACE_REQUIRE_SGLANG_SERVER=1) / skip when it could not run."""
-    why = result.get("missing")
-    if why:
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{REQUIRE_ENV}=1 but {why}")
-        pytest.skip(why)
-    return result
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return SERVER.require(result)
 
 
 def env(**more) -> dict:

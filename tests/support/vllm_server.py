@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
+from support.real_servers import ROOT, ServerVenv, free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 REQUIRE_ENV = "MOETRACE_REQUIRE_VLLM_SERVER"
 VENV_ENV = "MOETRACE_VLLM_VENV"
@@ -42,32 +40,20 @@ FAULT = {"rank": 1, "layer": 0, "tensor": "w2_weight", "swap": [0, 1]}
 CONFIGS = {"clean": None, "fault": FAULT}
 
 
+SERVER = ServerVenv(".venv-vllm", VENV_ENV, REQUIRE_ENV, "vllm-venv")
+
+
 def venv() -> Path:
-    return Path(os.environ.get(VENV_ENV) or ROOT / ".venv-vllm")
+    return SERVER.path()
 
 
 def missing() -> str | None:
-    """Why the vLLM environment cannot run here, or None."""
-    py, cli = venv() / "bin" / "python", venv() / "bin" / "moetrace"
-    if not py.exists() or not cli.exists():
-        return f"no vLLM environment at {venv()} (make test builds it: the Makefile's vllm-venv target)"
-    return None
+    """Why the environment cannot run here, or None."""
+    return SERVER.missing()
 
 
 def require(result: dict) -> dict:
-    """The job's result, or fail (MOETRACE_REQUIRE_VLLM_SERVER=1) / skip when it could not run."""
-    why = result.get("missing")
-    if why:
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{REQUIRE_ENV}=1 but {why}")
-        pytest.skip(why)
-    return result
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return SERVER.require(result)
 
 
 def _env(extra_path: list[str] | None = None, **more) -> dict:
@@ -80,7 +66,7 @@ def audit(folder: Path, name: str, model: Path, index: Path, fault: dict | None)
     """One server configuration through `moetrace audit --launch`, as a user runs it."""
     from support.vllm_fault import FAULT_ENV, install_dist
 
-    port = _free_port()
+    port = free_port()
     server = " ".join(["python -m vllm.entrypoints.openai.api_server --model", str(model), *SERVER_FLAGS,
                        "--port", str(port)])
     report = folder / f"{name}.json"
