@@ -6,6 +6,11 @@ layer. SGLang: ``--forward-hooks`` entry ``moetrace.hooks.faults:make_fault_hook
 with ``{"faults": [...]}``. Each fault writes through ``param.data``, as SGLang's own
 weight loaders (and real corruption) write: no torch version counter moves.
 
+vLLM: ``MOETRACE_FAULTS`` (the fault list as JSON) in the server's environment makes
+moetrace's plugin register the same hook on each MoE layer before its resident capture
+(hooks.vllm.session); faults then land after vLLM's own load and its kernel's repack
+(swapping or zeroing whole experts is the same fault in any per-expert layout).
+
 A fault is a dict:
 
 - ``fault``: ``swap`` (experts[0] and experts[1] exchange their bytes), ``zero``
@@ -26,12 +31,28 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from dataclasses import dataclass
+from typing import Callable
 
 from moetrace.errors import MoetraceError
 
 log = logging.getLogger("moetrace.faults")
 
 FAULTS = ("swap", "zero", "other_rank", "kill")
+FAULTS_ENV = "MOETRACE_FAULTS"  # vLLM: the fault list, read by moetrace's plugin in each worker
+
+
+def faults_from_env() -> list[dict]:
+    """The faults of $MOETRACE_FAULTS (none when unset); a bad list raises MoetraceError."""
+    import json
+
+    raw = os.environ.get(FAULTS_ENV)
+    if not raw:
+        return []
+    try:
+        return check_faults(json.loads(raw))
+    except ValueError as err:
+        raise MoetraceError(f"{FAULTS_ENV}: not JSON ({err})") from None
 
 
 def check_faults(faults) -> list[dict]:
@@ -59,13 +80,46 @@ def make_fault_hook(config: dict):
     return FaultHook(check_faults(config.get("faults")))
 
 
+@dataclass(frozen=True)
+class LayerAccess:
+    """How a server's MoE layer module shows its layer id, expert tensors and slot map (SGLang's
+    FusedMoE by default; hooks.vllm.session gives vLLM's runner)."""
+
+    layer: Callable  # module -> layer id
+    tensors: Callable  # module -> {param name: stacked [slots, ...] tensor}
+    slots: Callable  # (module, n_slots, layer) -> the global expert of each slot
+
+
+def _sglang_layer(module) -> int:
+    from moetrace.hooks.fused_moe import layer_of
+
+    return layer_of(module)
+
+
+def _sglang_tensors(module) -> dict:
+    from moetrace.hooks.fused_moe import expert_tensors
+
+    return expert_tensors(module)
+
+
+def _sglang_slots(module, n_slots: int, layer: int) -> list[int]:
+    from moetrace.hooks.slots import read_slot_map
+
+    slots = read_slot_map(module, n_slots, layer)
+    return list(slots.experts) if slots is not None else []
+
+
+SGLANG = LayerAccess(_sglang_layer, _sglang_tensors, _sglang_slots)
+
+
 class FaultHook:
     """``hook(module, inputs, output)``: counts the layer's forwards and applies its due faults."""
 
-    def __init__(self, faults: list[dict]):
+    def __init__(self, faults: list[dict], access: LayerAccess = SGLANG, rank: int | None = None):
         self.faults = [dict(f, done=False) for f in faults]
         self.forwards: dict[int, int] = {}
-        self._rank = None
+        self.access = access
+        self._rank = rank
 
     def rank(self) -> int:
         if self._rank is None:
@@ -75,9 +129,7 @@ class FaultHook:
         return self._rank
 
     def __call__(self, module, inputs, output):
-        from moetrace.hooks.fused_moe import layer_of
-
-        layer = layer_of(module)
+        layer = self.access.layer(module)
         n = self.forwards.get(layer, 0)
         self.forwards[layer] = n + 1
         for f in self.faults:
@@ -89,23 +141,19 @@ class FaultHook:
             if int(f["layer"]) != layer:
                 continue
             f["done"] = True
-            apply_fault(module, layer, f)
+            apply_fault(module, layer, f, self.access)
             log.warning("moetrace fault on TP rank %d, layer %d, after %d forwards: %s", self.rank(), layer, n,
                         {k: v for k, v in f.items() if k not in ("done", "checkpoint")})
         return None
 
 
-def apply_fault(module, layer: int, f: dict) -> None:
-    """One fault on a FusedMoE-like module's params, written through .data."""
-    from moetrace.hooks.fused_moe import expert_tensors
-    from moetrace.hooks.slots import read_slot_map
-
-    tensors = expert_tensors(module)
+def apply_fault(module, layer: int, f: dict, access: LayerAccess = SGLANG) -> None:
+    """One fault on a MoE layer's params, written through .data."""
+    tensors = access.tensors(module)
     if f["tensor"] not in tensors:
         raise MoetraceError(f"layer {layer} has no {f['tensor']} (it has {', '.join(tensors)})")
     data = tensors[f["tensor"]].data
-    slots = read_slot_map(module, data.shape[0], layer)
-    where = {e: i for i, e in enumerate(slots.experts)} if slots is not None else {}
+    where = {e: i for i, e in enumerate(access.slots(module, data.shape[0], layer))}
     for e in f["experts"]:
         if e not in where:
             raise MoetraceError(f"layer {layer}: expert {e} is not held on this rank")

@@ -17,7 +17,9 @@ not serve, the trace is incomplete, the reference does not fit).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +28,8 @@ from typing import Callable
 from moetrace.checkpoints.reader import open_checkpoint
 from moetrace.checkpoints.shards import Parallel, local_experts, rank_coords, tensor_names
 from moetrace.errors import ExitCode, MoetraceError
-from moetrace.servers.command import MODEL_FLAGS, build_command, expected_tp, flag_value
+from moetrace.servers.command import build_command, expected_tp, flag_value, model_path_of_command
+from moetrace.servers.vllm_command import invokes_vllm
 
 FAULT_HOOK = "moetrace.hooks.faults:make_fault_hook"
 EP_FLAGS = ("--ep", "--ep-size", "--expert-parallel-size")
@@ -53,13 +56,13 @@ class Judgement:
 
 
 def checkpoint_of(cmd: list[str], checkpoint: str | None) -> str:
-    path = checkpoint or flag_value(cmd, MODEL_FLAGS)
+    path = checkpoint or model_path_of_command(cmd)
     if not path:
-        raise MoetraceError("selftest --server: the command has no --model-path; give --checkpoint CKPT")
+        raise MoetraceError("selftest --server: the command names no model folder; give --checkpoint CKPT")
     return path
 
 
-def plan_faults(checkpoint: str, tp_size: int, ep_size: int = 1) -> list[dict]:
+def plan_faults(checkpoint: str, tp_size: int, ep_size: int = 1, other_rank: bool = True) -> list[dict]:
     """The faults of the proof, placed on distinct (rank, layer, tensor, expert) of this
     model: refused by name when the model is too small to hold them apart."""
     with open_checkpoint(checkpoint) as ckpt:
@@ -89,7 +92,7 @@ def plan_faults(checkpoint: str, tp_size: int, ep_size: int = 1) -> list[dict]:
     ]
     coords = {r: rank_coords(r, par) for r in range(tp_size)}
     peer = next((r for r in range(tp_size) if coords[r][1] == coords[0][1] and coords[r][0] != coords[0][0]), None)
-    if peer is not None:  # another MoE TP rank holds other shards of the same experts
+    if peer is not None and other_rank:  # another MoE TP rank holds other shards of the same experts
         faults.append({"fault": "other_rank", "rank": 0, "layer": final, "tensor": "w13_weight", "experts": [e0[3]],
                        "from_moe_tp_rank": coords[peer][0], "checkpoint": str(checkpoint), "at_forward": 0})
     return faults
@@ -175,26 +178,32 @@ def verdict(fault: Judgement, clean: Judgement) -> ExitCode:
 
 def run_server_selftest(command: str, workdir: Path, index: str | None, checkpoint: str | None, traffic,
                         launch_options: dict, say: Callable[[str], None]) -> tuple[ExitCode, dict]:
-    """The two launches and their judgement: (exit code, the JSON document)."""
+    """The two launches and their judgement: (exit code, the JSON document). SGLang gets the
+    fault hook in its --forward-hooks; vLLM through $MOETRACE_FAULTS, which moetrace's plugin
+    reads (no other rank's shard there: its kernel repacks what it holds)."""
+    from moetrace.hooks.faults import FAULTS_ENV
     from moetrace.jobs.audit import AnalysisOptions, LaunchOptions, ReportFiles, run_audit
 
     cmd = shlex.split(command)
     ckpt = checkpoint_of(cmd, checkpoint)
     tp = expected_tp(cmd) or 1
     ep_raw = flag_value(cmd, EP_FLAGS)
-    faults = plan_faults(ckpt, tp, int(ep_raw) if ep_raw and ep_raw.isdigit() else 1)
+    vllm = invokes_vllm(cmd)
+    faults = plan_faults(ckpt, tp, int(ep_raw) if ep_raw and ep_raw.isdigit() else 1, other_rank=not vllm)
     runs = {}
-    for name, launch_cmd in (("fault", fault_command(cmd, faults)), ("clean", cmd)):
+    for name, launch_cmd in (("fault", cmd if vllm else fault_command(cmd, faults)), ("clean", cmd)):
         say(f"selftest --server: {name} run" + (f" ({len(faults)} faults)" if name == "fault" else ""))
         report_path = workdir / f"{name}.json"
         opts = AnalysisOptions(index=index, checkpoint=None if index else ckpt, as_json=True,
                                reports=ReportFiles(json_out=str(report_path)), max_rows=1_000_000)
         launch = LaunchOptions(command=shlex.join(launch_cmd), out=str(workdir / "traces"), run_id=f"selftest-{name}",
                                traffic=traffic, replace=True, **launch_options)
-        try:
-            code, error = run_audit(opts, launch, lambda m: None, say, warn=say), None
-        except MoetraceError as err:
-            code, error = ExitCode.INCOMPLETE, str(err)
+        env = {FAULTS_ENV: json.dumps(faults)} if vllm and name == "fault" else {}
+        with _environment(env):
+            try:
+                code, error = run_audit(opts, launch, lambda m: None, say, warn=say), None
+            except MoetraceError as err:
+                code, error = ExitCode.INCOMPLETE, str(err)
         report = json.loads(report_path.read_text()) if report_path.exists() else None
         if report is not None and report.get("status") == "unusable":
             report = None
@@ -203,10 +212,26 @@ def run_server_selftest(command: str, workdir: Path, index: str | None, checkpoi
     if runs["fault"].report is None and runs["fault"].error:
         fault.detail += f" ({runs['fault'].error})"[:500]
     code = verdict(fault, clean)
-    doc = {"command": command, "checkpoint": ckpt, "faults": faults, "verdict": int(code), "words": code.words,
+    doc = {"command": command, "checkpoint": ckpt, "server": "vllm" if vllm else "sglang", "faults": faults,
+           "verdict": int(code), "words": code.words,
            "fault_run": {"audit_exit_code": runs["fault"].code, "ok": fault.ok, "detail": fault.detail,
                          "missed": fault.missed, "unexplained": fault.unexplained, "run_dir": runs["fault"].run_dir,
                          "report": str(workdir / "fault.json")},
            "clean_run": {"audit_exit_code": runs["clean"].code, "ok": clean.ok, "detail": clean.detail,
                          "run_dir": runs["clean"].run_dir, "report": str(workdir / "clean.json")}}
     return code, doc
+
+
+@contextlib.contextmanager
+def _environment(extra: dict):
+    """os.environ with `extra` for the launch (the server inherits it), then as it was."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

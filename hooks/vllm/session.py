@@ -124,10 +124,29 @@ def model_ready(config: dict, model, vllm_config, model_config) -> None:
                              "it, so no resident weights are captured; start the server with --enforce-eager")
             return
         _HOOKED.add(model)
-        for layer in find_layers(model):
+        layers = find_layers(model)
+        _register_faults(tracer, layers)
+        for layer in layers:
             layer.module.register_forward_hook(ResidentHook(tracer, layer))
     except Exception as err:
         log.warning("moetrace: cannot register the forward hooks (the server runs on): %s", err)
+
+
+def _register_faults(tracer: Tracer, layers: list[MoELayer]) -> None:
+    """$MOETRACE_FAULTS (selftest --server): moetrace's fault hook on each layer, before its capture."""
+    from moetrace.hooks.faults import FaultHook, LayerAccess, faults_from_env
+
+    faults = faults_from_env()
+    if not faults:
+        return
+    by_module = {id(x.module): x for x in layers}
+    access = LayerAccess(layer=lambda m: by_module[id(m)].layer,
+                         tensors=lambda m: expert_tensors(by_module[id(m)].routed),
+                         slots=lambda m, n, layer: slot_experts(by_module[id(m)].routed, n)[0])
+    hook = FaultHook(faults, access, rank=tracer.tp_rank)
+    for layer in layers:
+        layer.module.register_forward_hook(hook)
+    tracer.note_once(f"moetrace faults injected (selftest --server): {len(faults)}")
 
 
 def _check_fit(tracer: Tracer, model_config) -> None:

@@ -246,5 +246,7 @@ def leftover_processes(folder: Path) -> list[int]:
     return left
 
 
-if __name__ == "__main__":  # by hand: python -m support.sglang_server FOLDER (from tests/)
-    print(json.dumps(run_all(Path(sys.argv[1])), indent=1)[:5000])
+if __name__ == "__main__":  # by hand: python -m support.sglang_server FOLDER (from tests/): FOLDER/result.json
+    doc = run_all(Path(sys.argv[1]))
+    (Path(sys.argv[1]) / "result.json").write_text(json.dumps(doc, indent=1))
+    print(json.dumps(doc, indent=1)[:3000])

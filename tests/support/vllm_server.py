@@ -37,7 +37,7 @@ SERVER_FLAGS = ["--tensor-parallel-size", "2", "--dtype", "bfloat16", "--max-mod
 # Two short fresh prompts: each is a prefill and decode steps through both MoE layers.
 TRAFFIC = ["--requests", "2", "--prompt-tokens", "16", "--replays", "0", "--max-tokens", "4", "--ready-timeout", "300"]
 FAULT = {"rank": 1, "layer": 0, "tensor": "w2_weight", "swap": [0, 1]}
-CONFIGS = {"clean": None, "fault": FAULT}
+CONFIGS = {"fault": FAULT}  # the clean run is selftest --server's (below)
 
 
 SERVER = ServerVenv(".venv-vllm", VENV_ENV, REQUIRE_ENV, "vllm-venv")
@@ -86,6 +86,32 @@ def audit(folder: Path, name: str, model: Path, index: Path, fault: dict | None)
             "report": json.loads(report.read_text()) if report.exists() else None, "fault": fault}
 
 
+def selftest(folder: Path, model: Path, index: Path) -> dict:
+    """`moetrace selftest --server "python -m vllm.entrypoints.openai.api_server ..."`: faults through
+    $MOETRACE_FAULTS in moetrace's plugin, then a clean launch (its audit is the clean run's)."""
+    server = " ".join(["python -m vllm.entrypoints.openai.api_server --model", str(model), *SERVER_FLAGS, "--port",
+                       str(free_port())])
+    cmd = [str(venv() / "bin" / "moetrace"), "selftest", "--server", server, "--index", str(index), "--workdir",
+           str(folder / "selftest"), "--requests", "2", "--prompt-tokens", "16", "--replays", "0", "--json"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(), stdin=subprocess.DEVNULL)
+    return {"returncode": proc.returncode, "seconds": round(time.monotonic() - t0, 1), "command": cmd,
+            "stdout": proc.stdout[-20000:], "stderr": proc.stderr[-20000:],
+            "moetrace_lines": [line for line in proc.stderr.splitlines() if line.startswith("moetrace")],
+            "doc": json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else None}
+
+
+def clean_of(selftest_run: dict) -> dict:
+    """The clean launch of selftest --server, as the tests read an audit --launch run."""
+    doc = selftest_run["doc"] or {}
+    clean = doc.get("clean_run") or {}
+    report = Path(clean["report"]) if clean.get("report") else None
+    return {"returncode": clean.get("audit_exit_code"), "run_id": "selftest-clean", "run_dir": clean.get("run_dir"),
+            "report": json.loads(report.read_text()) if report is not None and report.exists() else None,
+            "stdout": selftest_run["stdout"], "stderr": selftest_run["stderr"],
+            "moetrace_lines": selftest_run["moetrace_lines"]}
+
+
 def probe(folder: Path) -> dict:
     """support.vllm_probe in the vLLM venv: facts from vLLM's own code there."""
     proc = subprocess.run([str(venv() / "bin" / "python"), "-m", "support.vllm_probe"], capture_output=True, text=True,
@@ -108,6 +134,8 @@ def run_all(folder: Path) -> dict:
     index = folder / "index-tp2.parquet"
     CheckpointModel(model, tp_size=2).write_index(str(index))  # moetrace index's own builder, in this process
     out = {"model": str(model), "index": str(index), "probe": probe(folder), "runs": {}}
+    out["runs"]["selftest"] = st = selftest(folder, model, index)
+    out["runs"]["clean"] = clean_of(st)
     for name, fault in CONFIGS.items():
         out["runs"][name] = audit(folder, name, model, index, fault)
     out["seconds"] = round(time.monotonic() - t0, 1)
@@ -130,5 +158,7 @@ def leftover_processes(runs: dict) -> list[int]:
     return left
 
 
-if __name__ == "__main__":  # by hand: python -m support.vllm_server FOLDER (from tests/)
-    print(json.dumps(run_all(Path(sys.argv[1])), indent=1)[:5000])
+if __name__ == "__main__":  # by hand: python -m support.vllm_server FOLDER (from tests/): FOLDER/result.json
+    doc = run_all(Path(sys.argv[1]))
+    (Path(sys.argv[1]) / "result.json").write_text(json.dumps(doc, indent=1))
+    print(json.dumps(doc, indent=1)[:3000])
