@@ -203,9 +203,10 @@ def write_synthetic_checkpoint(
     BF16 with the names and shapes its model class loads (checkpoints.synthetic_model),
     left unquantized by the quantization_config; a few expert-looking tensors that no
     model class loads (Qwen3.5 mtp.* and model.visual.*, DeepSeek's MTP layer) are decoys.
-    The shared expert is twice a routed expert's intermediate size, except that
-    shared_expert=True writes each MoE layer's shared expert (DeepSeek mlp.shared_experts,
-    Qwen mlp.shared_expert) shaped like a routed expert, with the values of expert id
+    The shared expert is BF16 and sized so it is never taken for a routed expert
+    (synthetic_model.shared_intermediate), except that shared_expert=True writes each MoE
+    layer's shared expert (DeepSeek mlp.shared_experts, Qwen mlp.shared_expert) shaped
+    like a routed expert in the experts' format, with the values of expert id
     num_experts (the id SGLang's loader fuses it as); draft=True (Qwen3.5) writes the
     MTP draft's experts ``mtp.layers.0.mlp.experts.*`` in the target's format, with the
     values of layer ``DRAFT_VALUE_LAYER`` so they differ from every target layer.
@@ -291,7 +292,7 @@ def _write_mlp(w: _Tensors, m: ModelTensors, pre: str, L: int, E: int, dense: bo
     if shared_expert:  # the values of expert id E, the slot SGLang fuses it into
         w.expert(f"{pre}.mlp.{shared}", L, E)
     else:
-        m.mlp(f"{pre}.mlp.{shared}", shared_intermediate(w.I, shared_expert))
+        m.mlp(f"{pre}.mlp.{shared}", shared_intermediate(m.family, w.fmt, w.I, shared_expert))
 
 
 def _write_not_routed(w: _Tensors, family: str, num_layers: int, E: int, draft: bool) -> None:

@@ -57,7 +57,7 @@ def synthetic_config(
             num_experts_per_tok=min(8, num_experts),
             first_k_dense_replace=dense,
             moe_layer_freq=1,
-            n_shared_experts=1 if shared_expert else 2,  # see synthetic_model.shared_intermediate
+            n_shared_experts=model.shared_intermediate(family, fmt, inter, shared_expert) // inter,
             num_nextn_predict_layers=1,
             **model.MLA,
             n_group=1,
@@ -84,10 +84,12 @@ def synthetic_config(
             norm_topk_prob=True,
         )
         if family != "qwen3_moe":
-            text["shared_expert_intermediate_size"] = model.shared_intermediate(inter, shared_expert)
+            text["shared_expert_intermediate_size"] = model.shared_intermediate(family, fmt, inter, shared_expert)
         if family in model.HYBRID:
+            # transformers derives layer_types from the interval as SGLang does (no layer_types key:
+            # transformers would refuse a num_hidden_layers edit before moetrace can name it)
             text.update(model.LINEAR_ATTENTION, full_attention_interval=model.FULL_ATTENTION_INTERVAL,
-                        layer_types=model.layer_types(family, num_layers), partial_rotary_factor=0.25,
+                        partial_rotary_factor=0.25,
                         # as transformers writes it (SGLang's Qwen3.5 reads its rope_type)
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
     if quant is not None:

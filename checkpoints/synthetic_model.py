@@ -39,18 +39,26 @@ HYBRID = ("qwen3_next", "qwen3_5_moe")  # linear and full attention layers
 
 
 def layer_types(family: str, num_layers: int) -> list[str] | None:
-    """transformers' layer_types (SGLang derives the same from full_attention_interval)."""
+    """Which attention each layer has, as transformers and SGLang derive it from
+    full_attention_interval."""
     if family not in HYBRID:
         return None
     return ["full_attention" if (L + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
             for L in range(num_layers)]
 
 
-def shared_intermediate(intermediate: int, shared_expert: bool) -> int:
-    """The shared expert's intermediate size: the routed one when it is written as expert id
-    num_experts (moetrace indexes it), else twice that, so it is never taken for a routed
-    expert's twin (checkpoints.extra.shared_expert_count compares shapes)."""
-    return intermediate if shared_expert else 2 * intermediate
+def shared_intermediate(family: str, fmt: str, intermediate: int, shared_expert: bool) -> int:
+    """The shared expert's intermediate size. shared_expert=True: the routed one (it is then
+    written as expert id num_experts, and moetrace indexes it). Otherwise it must never be
+    taken for a routed expert's twin (checkpoints.extra.shared_expert_count compares dtype
+    and shape): a BF16 shared expert in an FP8 checkpoint differs by dtype already; else half
+    the routed size (twice when that is odd), and for DeepSeek, whose size is
+    n_shared_experts x moe_intermediate_size, two shared experts' worth."""
+    if shared_expert or (family == "deepseek_v3" and fmt != "bf16"):
+        return intermediate
+    if family == "deepseek_v3":
+        return 2 * intermediate
+    return intermediate // 2 if intermediate % 2 == 0 else 2 * intermediate
 
 
 class ModelTensors:
