@@ -19,7 +19,7 @@ from moetrace import outputs
 from moetrace.checkpoints.quant_config import QUANT_METHODS, scale_suffix
 from moetrace.checkpoints.spec import FAMILIES, FORMATS, FUSED_NOT_MAPPED, SHARED_EXPERT_MODULES
 from moetrace.checkpoints.synthetic_config import synthetic_config
-from moetrace.checkpoints.synthetic_model import ModelTensors, shared_intermediate
+from moetrace.checkpoints.synthetic_model import VISION, ModelTensors, shared_intermediate
 from moetrace.checkpoints.tokenizer import write_tokenizer
 from moetrace.errors import MoetraceError
 
@@ -238,7 +238,7 @@ def write_synthetic_checkpoint(
                            None if fmt == "bf16" else (quant_method, block), seed, shared_expert)
     with outputs.new_local_dir(str(out), "-o") as tmp:  # whole or nothing: never a folder with only config.json
         _write_files(Path(tmp), cfg, w.tensors, num_files, save_file)
-        write_tokenizer(tmp)
+        write_tokenizer(tmp, VISION if family == "qwen3_5_moe" else None)
     return out
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from moetrace.checkpoints import synthetic_model as model
 from moetrace.checkpoints.synthetic_model import ignore_patterns
-from moetrace.checkpoints.tokenizer import MAX_LENGTH
+from moetrace.checkpoints.tokenizer import MAX_LENGTH, vision_token_ids
 
 
 def _quant_config(fmt: str, quant_method: str, block: tuple[int, int], not_converted: list[str]) -> dict:
@@ -101,6 +101,7 @@ def synthetic_config(
             "text_config": {**text, "model_type": "qwen3_5_moe_text"},
             "vision_config": {**model.VISION, "out_hidden_size": hidden},
             "tie_word_embeddings": False,
+            **vision_token_ids(),
         }
     else:
         cfg = {"architectures": [arch], "model_type": family, **text}

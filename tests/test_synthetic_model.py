@@ -180,5 +180,5 @@ def test_writer_needs_neither_transformers_nor_tokenizers(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((tmp_path / "c" / "tokenizer.json").read_text())
-    assert doc["model"]["merges"] == [] and len(doc["model"]["vocab"]) == 257
+    assert doc["model"]["merges"] == [] and len(doc["model"]["vocab"]) == 256 + 5  # bytes, EOS, 4 vision markers
     assert (tmp_path / "c" / "model.safetensors.index.json").exists()
