@@ -22,11 +22,12 @@ transformers_next = pytest.importorskip("transformers.models.qwen3_next.modeling
 def ops():
     sys.path.insert(0, str(STAND_INS))
     try:
+        import cpu_fixes
         from sgl_kernel import mamba, qwen3_5_ops
     finally:
         sys.path.remove(str(STAND_INS))
     assert Path(qwen3_5_ops.__file__).parent.parent == STAND_INS  # the stand-in, not a real sgl_kernel
-    return qwen3_5_ops, mamba
+    return qwen3_5_ops, mamba, cpu_fixes
 
 
 H, HV, K, V = 2, 4, 16, 8
@@ -46,7 +47,7 @@ def _inputs(seed=0):
 def test_delta_rule_matches_transformers_chunked(ops):
     """Each sequence from its own pool slot (one a padding row), states written back: equal to
     transformers' chunked form run per sequence from the same initial state."""
-    qwen3_5_ops, mamba = ops
+    qwen3_5_ops, mamba, _ = ops
     q, k, v, decay, beta = _inputs()
     states = torch.randn(6, HV, V, K) * 0.1  # the pool: [slots, HV, V, K]
     slots = torch.tensor([4, 1, 2])
@@ -71,7 +72,7 @@ def test_delta_rule_matches_transformers_chunked(ops):
 def test_decode_gating_and_update_match_transformers(ops):
     """One decode token per request: the gates from a, b, dt_bias, A_log (transformers'
     Qwen3-Next formula), then one recurrent step; a negative slot is a padding row."""
-    qwen3_5_ops, _ = ops
+    qwen3_5_ops, _, _ = ops
     g = torch.Generator().manual_seed(1)
     B = 3
     q, k, v = torch.randn(1, B, H, K, generator=g), torch.randn(1, B, H, K, generator=g), torch.randn(1, B, HV, V, generator=g)
@@ -105,7 +106,7 @@ def test_causal_conv_prefill_then_decode_matches_transformers(ops):
     """Prefill two sequences (one continuing from its conv state), then decode one token each:
     every output equals transformers' causal depthwise conv over the whole history, and the
     states hold the last width-1 inputs."""
-    _, mamba = ops
+    _, mamba, _ = ops
     g = torch.Generator().manual_seed(2)
     dim, width, lens = 6, 4, [5, 2]
     x = torch.randn(dim, sum(lens), generator=g)
@@ -135,7 +136,7 @@ def test_causal_conv_prefill_then_decode_matches_transformers(ops):
 def test_attention_pieces_match_transformers(ops):
     """The full-attention layer's pieces: Gemma RMSNorm per head (transformers' Qwen3.5 norm),
     the query/gate split per head, the sigmoid output gate, the contiguous DeltaNet split."""
-    qwen3_5_ops, _ = ops
+    qwen3_5_ops, _, _ = ops
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
 
     g = torch.Generator().manual_seed(3)
@@ -165,3 +166,28 @@ def test_attention_pieces_match_transformers(ops):
     qkv_dim = 2 * nk * dk + nv * dv
     assert torch.equal(mixed, qkvz[:, :qkv_dim]) and torch.equal(z.reshape(T, -1), qkvz[:, qkv_dim:])
     assert torch.equal(b, ba[:, :nv]) and torch.equal(a, ba[:, nv:])
+
+
+def test_cpu_fixes_match_transformers(ops):
+    """The two SGLang CPU paths that need AMX, stood in: the DeltaNet output norm equals
+    transformers' Qwen3-Next gated RMSNorm; the shared-expert gate adds
+    sigmoid(gate(hidden)) * shared as transformers' Qwen3-Next MoE block does."""
+    _, _, cpu_fixes = ops
+    g = torch.Generator().manual_seed(4)
+    norm = transformers_next.Qwen3NextRMSNormGated(8, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(generator=g)
+    x, z = torch.randn(5, 8, generator=g), torch.randn(5, 8, generator=g)
+    with torch.no_grad():
+        want = norm(x, gate=z)
+    torch.testing.assert_close(torch.ops.sgl_kernel.fused_rmsnorm_gated_cpu(x, norm.weight.data, z, 1e-6), want)
+    hidden, shared, routed = (torch.randn(3, 8, generator=g) for _ in range(3))
+    gate = torch.nn.Linear(8, 1, bias=False)
+    out = routed.clone()
+    cpu_fixes.shared_expert_gate(hidden, gate.weight.data.squeeze(), shared, out)
+    with torch.no_grad():
+        torch.testing.assert_close(out, routed + torch.sigmoid(gate(hidden)) * shared)
+    module = type("M", (), {"is_cpu": staticmethod(lambda: True), "_use_cpu": False})
+    cpu_fixes.gated_norm_on_cpu(module)
+    cpu_fixes.shared_gate_on_cpu(module)
+    assert module._use_cpu is True and module.fused_gate_sigmoid_mul_add is cpu_fixes.shared_expert_gate

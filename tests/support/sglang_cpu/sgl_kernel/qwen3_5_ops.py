@@ -45,6 +45,14 @@ def fused_qk_gemma_rmsnorm_with_gate_cpu(q_gate, k, q_weight, k_weight, eps: flo
             gate.contiguous())
 
 
+def fused_rmsnorm_gated_cpu(x, weight, z, eps: float):
+    """The DeltaNet output norm, norm before gate: x / rms(x) * weight * silu(z) over the last
+    dim (fla/layernorm_gated.py, RMSNorm.forward's docstring and its reference path)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (y * F.silu(z.float().reshape(y.shape))).to(x.dtype)
+
+
 def fused_qkvzba_split_reshape_cat_contiguous_cpu(qkvz, ba, num_q_heads: int, num_v_heads: int, head_q_dim: int,
                                                   head_v_dim: int):
     """Qwen3.5's contiguous projections [q | k | v | z] and [b | a] split into mixed_qkv,
@@ -141,6 +149,7 @@ SCHEMAS = {
     "fused_qkvzba_split_reshape_cat_contiguous_cpu": (
         "(Tensor qkvz, Tensor ba, int num_q_heads, int num_v_heads, int head_q_dim, int head_v_dim)"
         " -> (Tensor, Tensor, Tensor, Tensor)", fused_qkvzba_split_reshape_cat_contiguous_cpu),
+    "fused_rmsnorm_gated_cpu": ("(Tensor x, Tensor weight, Tensor z, float eps) -> Tensor", fused_rmsnorm_gated_cpu),
     "fused_gdn_gating_cpu": ("(Tensor A_log, Tensor a, Tensor b, Tensor dt_bias) -> (Tensor, Tensor)",
                              fused_gdn_gating_cpu),
     "fused_input_proj_cpu": ("(Tensor hidden, Tensor w_qkvz, Tensor w_ba, bool packed) -> (Tensor, Tensor)",
