@@ -63,7 +63,7 @@ def main() -> None:
         out = Path(tmp)
         from support.vllm_model import write_model
 
-        model = str(write_model(out / "model", "bench-sglang", moe_intermediate_size=64))
+        model = str(write_model(out / "model", "bench-sglang", intermediate=64))
         load = [os.getloadavg()[0]]
         rounds = []
         for r in range(args.rounds):

@@ -17,8 +17,10 @@ import torch
 
 from moetrace import outputs
 from moetrace.checkpoints.quant_config import QUANT_METHODS, scale_suffix
-from moetrace.checkpoints.spec import FAMILIES, FORMATS, FUSED_NOT_MAPPED, INT4_PACK
+from moetrace.checkpoints.spec import FAMILIES, FORMATS, FUSED_NOT_MAPPED, INT4_PACK, SHARED_EXPERT_MODULES
 from moetrace.checkpoints.synthetic_config import synthetic_config
+from moetrace.checkpoints.synthetic_model import VISION, ModelTensors, shared_intermediate
+from moetrace.checkpoints.tokenizer import write_tokenizer
 from moetrace.errors import MoetraceError
 
 PROJ_NAMES = ("gate", "up", "down")  # proj ids 0, 1, 2
@@ -204,7 +206,7 @@ def write_synthetic_checkpoint(
     draft: bool = False,
     group_size: int | None = None,
 ) -> Path:
-    """Write a checkpoint directory (config.json + safetensors) and return its path.
+    """Write a complete model folder (config.json, safetensors, tokenizer) and return its path.
 
     fmt: fp8_block, fp8_channel, fp8_tensor, bf16 or int4; quant_method: "fp8" or
     "compressed-tensors" (default: compressed-tensors for fp8_channel, which is how
@@ -218,11 +220,15 @@ def write_synthetic_checkpoint(
     (mlp.experts.gate_up_proj / down_proj) instead of per-expert tensors; its
     values equal the per-expert ones. Tensors are dealt to files round-robin in
     write order, skipping a file every 5 tensors, so with num_files > 1 some
-    weights share a file with their scale and some do not. Non-expert tensors (embeddings,
-    router, shared expert, dense MLPs, Qwen3.5 mtp.* and model.visual.*, DeepSeek's MTP
-    layer) are small stand-ins, except:
-    shared_expert=True writes each MoE layer's shared expert (DeepSeek mlp.shared_experts,
-    Qwen mlp.shared_expert) shaped like a routed expert, with the values of expert id
+    weights share a file with their scale and some do not. The rest of the model (attention,
+    norms, embeddings, router, dense MLPs, the shared expert, Qwen3.5's vision tower) is
+    BF16 with the names and shapes its model class loads (checkpoints.synthetic_model),
+    left unquantized by the quantization_config; a few expert-looking tensors that no
+    model class loads (Qwen3.5 mtp.* and model.visual.*, DeepSeek's MTP layer) are decoys.
+    The shared expert is BF16 and sized so it is never taken for a routed expert
+    (synthetic_model.shared_intermediate), except that shared_expert=True writes each MoE
+    layer's shared expert (DeepSeek mlp.shared_experts, Qwen mlp.shared_expert) shaped
+    like a routed expert in the experts' format, with the values of expert id
     num_experts (the id SGLang's loader fuses it as); draft=True (Qwen3.5) writes the
     MTP draft's experts ``mtp.layers.0.mlp.experts.*`` in the target's format, with the
     values of layer ``DRAFT_VALUE_LAYER`` so they differ from every target layer.
@@ -238,17 +244,24 @@ def write_synthetic_checkpoint(
         raise MoetraceError(f"-o {out}: output path exists and is not an empty directory")
 
     w = _Tensors(fmt, quant_method, block, hidden, intermediate, SCALE_DTYPES[scale_dtype], seed, group_size)
+    m = ModelTensors(family, w.tensors, hidden, intermediate, w.g)
     prefix = "model.language_model" if family == "qwen3_5_moe" else "model"
-    w.tensors[f"{prefix}.embed_tokens.weight"] = w.filler(16, hidden)
+    m.embeddings(prefix)
     for L in range(num_layers):
-        _write_layer(w, family, f"{prefix}.layers.{L}", L, num_experts, L < dense_layers, fused, shared_expert)
+        pre = f"{prefix}.layers.{L}"
+        m.layer_attention(pre, L, num_layers)
+        _write_mlp(w, m, pre, L, num_experts, L < dense_layers, fused, shared_expert)
+    m.head(prefix)
+    if family == "qwen3_5_moe":
+        m.vision_tower()
     _write_not_routed(w, family, num_layers, num_experts, draft)
-    w.tensors["lm_head.weight"] = w.filler(16, hidden)
 
     cfg = synthetic_config(family, fmt, num_layers, num_experts, hidden, intermediate, dense_layers,
-                  None if fmt == "bf16" else (quant_method, block), seed, group_size=group_size)
+                           None if fmt == "bf16" else (quant_method, block), seed, shared_expert,
+                           group_size=group_size)
     with outputs.new_local_dir(str(out), "-o") as tmp:  # whole or nothing: never a folder with only config.json
         _write_files(Path(tmp), cfg, w.tensors, num_files, save_file)
+        write_tokenizer(tmp, VISION if family == "qwen3_5_moe" else None)
     return out
 
 
@@ -266,10 +279,6 @@ class _Tensors:
 
     def filler(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.g).to(torch.bfloat16)
-
-    def small_mlp(self, name: str) -> None:
-        for p, shape in (("gate", (8, self.H)), ("up", (8, self.H)), ("down", (self.H, 8))):
-            self.tensors[f"{name}.{p}_proj.weight"] = self.filler(*shape)
 
     def expert_weight(self, L: int, e: int, p: int) -> torch.Tensor:
         return synthetic_values(L, e, p, *_grid(*self._dims(p)), "weight", self.wdt, self.seed)
@@ -300,13 +309,13 @@ class _Tensors:
         return (self.H, self.I) if p == 2 else (self.I, self.H)
 
 
-def _write_layer(w: _Tensors, family: str, pre: str, L: int, E: int, dense: bool, fused: bool,
-                 shared_expert: bool) -> None:
-    w.tensors[f"{pre}.input_layernorm.weight"] = w.filler(w.H)
+def _write_mlp(w: _Tensors, m: ModelTensors, pre: str, L: int, E: int, dense: bool, fused: bool,
+               shared_expert: bool) -> None:
+    """Layer L's MLP: a dense one, or the router, the routed experts and the shared expert."""
     if dense:
-        w.small_mlp(f"{pre}.mlp")
+        m.mlp(f"{pre}.mlp", w.I)
         return
-    w.tensors[f"{pre}.mlp.gate.weight"] = w.filler(E, w.H)  # router: "mlp.gate", not an expert
+    m.router(pre, E)
     if fused:
         w.tensors[f"{pre}.mlp.experts.gate_up_proj"] = torch.stack(
             [torch.cat([w.expert_weight(L, e, 0), w.expert_weight(L, e, 1)]) for e in range(E)])
@@ -314,23 +323,19 @@ def _write_layer(w: _Tensors, family: str, pre: str, L: int, E: int, dense: bool
     else:
         for e in range(E):
             w.expert(f"{pre}.mlp.experts.{e}", L, e)
-    if family == "deepseek_v3":
-        w.tensors[f"{pre}.mlp.gate.e_score_correction_bias"] = torch.zeros(E)
-        shared = f"{pre}.mlp.shared_experts"
-    elif family in ("qwen3_next", "qwen3_5_moe"):
-        w.tensors[f"{pre}.mlp.shared_expert_gate.weight"] = w.filler(1, w.H)
-        shared = f"{pre}.mlp.shared_expert"
-    else:
+    shared = SHARED_EXPERT_MODULES.get(m.family)
+    if shared is None:
         return
     if shared_expert:  # the values of expert id E, the slot SGLang fuses it into
-        w.expert(shared, L, E)
+        w.expert(f"{pre}.mlp.{shared}", L, E)
     else:
-        w.small_mlp(shared)
+        m.mlp(f"{pre}.mlp.{shared}", shared_intermediate(m.family, w.fmt, w.I, shared_expert))
 
 
 def _write_not_routed(w: _Tensors, family: str, num_layers: int, E: int, draft: bool) -> None:
     """Expert-looking tensors that are not routed decoder experts; their shapes are
-    deliberately wrong, so reading one by mistake fails loudly (the draft's experts aside)."""
+    deliberately wrong, so reading one by mistake fails loudly (the draft's experts aside).
+    The model classes skip them: SGLang's and transformers' load them into nothing."""
     H = w.H
     if family == "deepseek_v3":  # MTP layer, stored as layer num_hidden_layers
         w.tensors[f"model.layers.{num_layers}.mlp.experts.0.gate_proj.weight"] = w.filler(8, H)
@@ -343,7 +348,6 @@ def _write_not_routed(w: _Tensors, family: str, num_layers: int, E: int, draft: 
     else:
         w.tensors["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = w.filler(8, H)
     w.tensors["mtp.fc.weight"] = w.filler(H, 2 * H)
-    w.tensors["model.visual.blocks.0.attn.qkv.weight"] = w.filler(24, 8)
     w.tensors["model.visual.blocks.0.mlp.experts.0.gate_proj.weight"] = w.filler(8, 8)
 
 

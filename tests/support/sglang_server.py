@@ -48,8 +48,8 @@ SERVER_FLAGS = ["--device", "cpu", "--tp", "2", "--host", "127.0.0.1", "--attent
                 "--skip-server-warmup"]
 # moe_intermediate_size 48: I_tp 24, which SGLang's CPU FusedMoE pads to 32 (the padded
 # layout is exercised); 64: I_tp 32, no padding (the guard's index is a plain one).
-PADDED = dict(moe_intermediate_size=48)
-PLAIN = dict(moe_intermediate_size=64)
+PADDED = dict(intermediate=48)
+PLAIN = dict(intermediate=64)
 TRAFFIC = ["--requests", "2", "--prompt-tokens", "60", "--replays", "1", "--ready-timeout", "600"]
 KILL_AFTER = 3  # forwards of layer 0 on TP rank 1 before it is killed
 

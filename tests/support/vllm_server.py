@@ -62,6 +62,12 @@ def _env(extra_path: list[str] | None = None, **more) -> dict:
             "PYTHONPATH": os.pathsep.join(path)}
 
 
+def _ends(text: str, head: int = 4000, tail: int = 20000) -> str:
+    """moetrace's own lines come first (the launch line) and last (the verdict); vLLM's
+    engine logs in between run to tens of KB: keep both ends."""
+    return text if len(text) <= head + tail else text[:head] + "\n[...]\n" + text[-tail:]
+
+
 def audit(folder: Path, name: str, model: Path, index: Path, fault: dict | None) -> dict:
     """One server configuration through `moetrace audit --launch`, as a user runs it."""
     from support.vllm_fault import FAULT_ENV, install_dist
@@ -80,7 +86,7 @@ def audit(folder: Path, name: str, model: Path, index: Path, fault: dict | None)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(extra, **more),
                           stdin=subprocess.DEVNULL)
     return {"returncode": proc.returncode, "seconds": round(time.monotonic() - t0, 1), "command": cmd,
-            "stdout": proc.stdout[-20000:], "stderr": proc.stderr[-20000:], "run_dir": str(folder / "traces" / name),
+            "stdout": _ends(proc.stdout), "stderr": _ends(proc.stderr), "run_dir": str(folder / "traces" / name),
             # moetrace's own lines (the server's output, on stderr too, would push them out of the tail)
             "moetrace_lines": [line for line in proc.stderr.splitlines() if line.startswith("moetrace")],
             "report": json.loads(report.read_text()) if report.exists() else None, "fault": fault}

@@ -1,9 +1,15 @@
 """Import stand-in for sgl_kernel under SGLang's CPU engine (tests only; README.md here).
 
-No torch op is registered: SGLang then sees no AMX kernels and runs its torch-native paths.
+No AMX op (``convert_weight_packed``) is registered: SGLang then sees no AMX kernels and runs
+its torch-native paths. The ops Qwen3.5's CPU path binds and calls are, in plain torch
+(qwen3_5_ops; sgl_kernel.mamba beside it).
 """
 
 from __future__ import annotations
+
+from sgl_kernel import qwen3_5_ops
+
+qwen3_5_ops.register()
 
 
 def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
