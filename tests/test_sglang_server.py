@@ -117,6 +117,8 @@ def test_a_killed_rank_makes_the_audit_incomplete(sglang_runs):
 
 
 def test_sigterm_to_launch_closes_every_rank_trace(sglang_runs):
+    """The update run serves Qwen3.5-MoE, the mission's family (experts under
+    model.language_model, Gated DeltaNet layers): every rank closes its trace on SIGTERM."""
     upd = sglang_runs["runs"]["update"]
     assert "error" not in upd, upd.get("error", "") + upd["log"][-4000:]
     run = json.loads((Path(upd["run_dir"]) / "_run.json").read_text())
@@ -124,6 +126,8 @@ def test_sigterm_to_launch_closes_every_rank_trace(sglang_runs):
     for rank in RANKS:
         m = _manifest(upd["run_dir"], rank)
         assert m["finished"] and m["hook_errors"] == 0, m
+        assert m["models"]["target"]["architecture"] == "Qwen3_5MoeForConditionalGeneration"
+        assert m["models"]["target"]["layers"] == list(LAYERS)
 
 
 def _ours(exposition: str, openmetrics: bool) -> str:

@@ -11,7 +11,8 @@ runs one server per configuration, one after the other:
 - ``selftest``: ``moetrace selftest --server CMD``: a launch with moetrace's faults
   (two experts swapped, a weight zeroed, another rank's shard, a late swap through
   ``param.data``) that the audit must name exactly, then a clean launch that must pass;
-- ``update``: ``moetrace launch`` with the guard and SGLang's ``--enable-metrics``: traffic,
+- ``update``: ``moetrace launch`` of a Qwen3.5-MoE (make-checkpoint's) with the guard and SGLang's
+  ``--enable-metrics``: traffic,
   ``/metrics`` scraped in the text and OpenMetrics formats, ``/update_weights_from_disk`` to
   a second checkpoint, traffic again, then SIGTERM to ``launch``: every rank closes its
   trace; the trace is audited against each checkpoint's index;
@@ -47,11 +48,15 @@ SERVER_FLAGS = ["--device", "cpu", "--tp", "2", "--host", "127.0.0.1", "--attent
                 "--max-running-requests", "4", "--chunked-prefill-size", "512", "--mem-fraction-static", "0.5",
                 "--skip-server-warmup"]
 # moe_intermediate_size 48: I_tp 24, which SGLang's CPU FusedMoE pads to 32 (the padded
-# layout is exercised); 64: I_tp 32, no padding (the guard's index is a plain one).
+# layout is exercised).
 PADDED = dict(intermediate=48)
-PLAIN = dict(intermediate=64)
 TRAFFIC = ["--requests", "2", "--prompt-tokens", "60", "--replays", "1", "--ready-timeout", "600"]
 KILL_AFTER = 3  # forwards of layer 0 on TP rank 1 before it is killed
+# The update run serves Qwen3.5-MoE (the mission's family: Qwen3_5MoeForConditionalGeneration,
+# experts under model.language_model, Gated DeltaNet layers): its hybrid cache needs the radix
+# cache off on this path, and its CPU ops are the test stand-ins of tests/support/sglang_cpu.
+QWEN35 = dict(family="qwen3_5_moe", fmt="bf16", num_files=1)
+QWEN35_FLAGS = ("--disable-radix-cache",)
 
 
 SERVER = ServerVenv(".venv-sglang", VENV_ENV, REQUIRE_ENV, "sglang-venv")
@@ -162,7 +167,7 @@ def update(folder: Path, model_a: Path, model_b: Path, index_a: Path, updates: P
     port = free_port()
     cmd = [str(venv() / "bin" / "moetrace"), "launch", "--out", str(folder / "traces"), "--run-id", "update",
            "--index", str(index_a), "--guard", "record", "--guard-rows", "all", "--update-index-dir", str(updates),
-           "--", *server_command(model_a, port, "--enable-metrics")]
+           "--", *server_command(model_a, port, "--enable-metrics", *QWEN35_FLAGS)]
     log = open(folder / "update.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(), stdin=subprocess.DEVNULL,
                             cwd=str(TESTS))
@@ -207,13 +212,14 @@ def run_all(folder: Path) -> dict:
     why = missing()
     if why:
         return {"missing": why}
+    from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
     from support.traces import CheckpointModel
     from support.vllm_model import write_model
 
     t0 = time.monotonic()
     padded = write_model(folder / "model-padded", "sglang-padded", **PADDED)
-    model_a = write_model(folder / "model-a", "sglang-a", **PLAIN)
-    model_b = write_model(folder / "model-b", "sglang-b", **PLAIN)
+    model_a = write_synthetic_checkpoint(folder / "model-a", seed=1, **QWEN35)
+    model_b = write_synthetic_checkpoint(folder / "model-b", seed=2, **QWEN35)
     indexes = {}
     updates = folder / "update-indexes"
     updates.mkdir()
