@@ -71,3 +71,33 @@ def test_a_real_divergence_against_a_fresh_index_is_still_exit_1(make_ckpt, tmp_
                            corrupt={(0, 1, 1): {(1, "w2_weight_scale_inv"): ("expert", 3)}})
     r = cli("audit", trace, "--index", index)
     assert r.exit_code == 1 and "index is stale" not in r.output, r.output
+
+
+def test_an_index_of_another_folder_with_the_same_id_is_the_references_fault(make_ckpt, tmp_path, monkeypatch):
+    """Two checkpoints of one shape share a checkpoint id (it hashes headers, not data). A
+    clean server of A audited against B's index: the divergent rows are cut again from the
+    folder the server loaded (its manifests' checkpoint_path), differ from B's index, and the
+    reference is refused (exit 2); without that folder recorded, the same audit blames the
+    server (exit 1), which is what the check prevents."""
+    import json
+
+    monkeypatch.setenv("MOETRACE_CACHE", str(tmp_path / "cache"))
+    a = Path(shutil.copytree(make_ckpt(num_layers=2, num_experts=4, hidden=256, intermediate=512, seed=5),
+                             tmp_path / "a", copy_function=shutil.copy2))
+    b = Path(shutil.copytree(a, tmp_path / "b", copy_function=shutil.copy2))
+    _edit_in_place(b, EDITED)
+    assert open_checkpoint(a).identity == open_checkpoint(b).identity
+    for name, folder in (("ia", a), ("ib", b)):
+        assert cli("index", folder, "--tp", "2", "--no-cache", "-o", tmp_path / f"{name}.parquet").exit_code == 0
+    trace = write_scenario(CheckpointModel(a, 2), str(tmp_path / "traces"), "clean", steps=[0])
+    manifests = sorted(Path(trace).glob("rank=*/_manifest.json"))
+    for m in manifests:
+        doc = json.loads(m.read_text())
+        m.write_text(json.dumps({**doc, "checkpoint_path": str(a)}))  # as the server's hook records it
+    assert cli("audit", trace, "--index", tmp_path / "ia.parquet").exit_code == 0
+    one_line_error(cli("audit", trace, "--index", tmp_path / "ib.parquet"),
+                   f"index {tmp_path / 'ib.parquet'} is not of the checkpoint the server loaded: the server loaded {a}")
+    for m in manifests:
+        doc = json.loads(m.read_text())
+        m.write_text(json.dumps({**doc, "checkpoint_path": None}))
+    assert cli("audit", trace, "--index", tmp_path / "ib.parquet").exit_code == 1
