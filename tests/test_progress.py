@@ -29,7 +29,11 @@ def test_live_lines_only_on_a_terminal(monkeypatch):
                 time.sleep(0.05)
         with prog.bar("requests", 2) as bar:
             bar.advance()
-            time.sleep(0.05)
+            # the ticker thread redraws every TICK_S; on a loaded machine it may take longer than 50 ms
+            deadline = time.monotonic() + 10
+            while (stream is tty and "1/2" not in tty.getvalue() and time.monotonic() < deadline) or (
+                    stream is pipe and time.monotonic() < deadline - 9.95):
+                time.sleep(0.01)
     out = tty.getvalue()
     assert "writing the checkpoint ... 0 s" in out and "writing the checkpoint: inner ... 0 s" in out
     assert f"requests [{'#' * 10}{' ' * 10}] 1/2 0 s" in out

@@ -35,7 +35,7 @@ SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 SERVER_FLAGS = ["--tensor-parallel-size", "2", "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "4",
                 "--max-num-batched-tokens", "1024", "--host", "127.0.0.1"]
 # Two short fresh prompts: each is a prefill and decode steps through both MoE layers.
-TRAFFIC = ["--requests", "2", "--prompt-tokens", "16", "--replays", "0", "--max-tokens", "4", "--ready-timeout", "300"]
+TRAFFIC = ["--requests", "2", "--prompt-tokens", "16", "--replays", "0", "--max-tokens", "4", "--ready-timeout", "600"]
 FAULT = {"rank": 1, "layer": 0, "tensor": "w2_weight", "swap": [0, 1]}
 CONFIGS = {"fault": FAULT}  # the clean run is selftest --server's (below)
 
