@@ -131,6 +131,7 @@ class LaunchOptions:
     server_flags: str = "auto"  # servers.command.FLAG_CHOICES
     replace: bool = False  # delete an existing OUT/<run_id> first (else it is refused)
     stop_grace_s: float = 30.0
+    server_log: object = None  # an open file for the server's own output (default: moetrace's stderr)
 
 
 def run_analysis(command: str, opts: AnalysisOptions, echo: Callable[[str], None],
@@ -297,7 +298,8 @@ def _launch(launch: LaunchOptions, opts: AnalysisOptions, progress: Callable[[st
     try:
         run_dir, server_code, res = launch_and_drive(launch.command, config, launch.traffic, launch.base_url,
                                                      echo=progress, live=live, server_flags=launch.server_flags,
-                                                     replace=launch.replace, stop_grace_s=launch.stop_grace_s)
+                                                     replace=launch.replace, stop_grace_s=launch.stop_grace_s,
+                                                     server_log=launch.server_log)
     except MoetraceError as err:
         for line in opts.reports.write_unusable(f"audit --launch: {err}"):
             progress(f"moetrace: error: {line}")

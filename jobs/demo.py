@@ -143,7 +143,8 @@ def print_demo(summary: dict, echo: Callable[[str], None] = print) -> None:
             echo(f"first divergence: {s}")
         for s in act["summaries"][:2]:
             echo(f"  {s}")
-        echo(f"  {'named exactly' if act['ok'] else 'NOT named as injected'}: {act['detail']} (trace: {act['trace']})")
+        echo(f"  {'named exactly' if act['ok'] else 'NOT named as injected'}: {act['detail']}")
+        echo(f"  trace: {act['trace']}; the server's own output: {act['log']}")
     race = "found" if summary["race_found"] else "NOT found"
     fix = "validated" if summary["fix_validated"] else "NOT validated"
     named = "" if not act or act.get("skipped") else (

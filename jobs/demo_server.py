@@ -66,7 +66,9 @@ def _server_env(sglang_python: str, server_pythonpath: str | None):
 
 def run_server_act(workdir: Path, sglang_python: str, server_pythonpath: str | None,
                    say: Callable[[str], None]) -> dict:
-    """The act's summary: the fault, the audit's first divergence and summaries, ok."""
+    """The act's summary: the fault, the audit's first divergence and summaries, ok. The
+    server's own output goes to LOGS/server-act.log (workdir/logs, beside the first act's)."""
+    from moetrace.analysis.render import grouped_summaries
     from moetrace.checkpoints.index_build import make_index
     from moetrace.checkpoints.synthetic import write_synthetic_checkpoint
     from moetrace.jobs.audit import AnalysisOptions, LaunchOptions, ReportFiles, run_audit
@@ -74,7 +76,7 @@ def run_server_act(workdir: Path, sglang_python: str, server_pythonpath: str | N
     from moetrace.jobs.traffic import Traffic
 
     t0 = time.perf_counter()
-    act = workdir / "server-act"
+    act, logs = workdir / "server-act", workdir / "logs"
     model = write_synthetic_checkpoint(act / "model", family="qwen3_moe", fmt="bf16", num_files=1)
     index = act / "index.parquet"
     make_index(str(model), str(index), 2, use_cache=False)
@@ -82,11 +84,13 @@ def run_server_act(workdir: Path, sglang_python: str, server_pythonpath: str | N
     report = act / "fault.json"
     opts = AnalysisOptions(index=str(index), as_json=True, reports=ReportFiles(json_out=str(report)),
                            max_rows=100_000)
-    launch = LaunchOptions(command=shlex.join(fault_command(cmd, [FAULT])), out=str(act / "traces"),
-                           run_id="server-fault", traffic=Traffic(requests=2, prompt_tokens=60, replays=1),
-                           replace=True)
+    log_path = logs / "server-act.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     error = None
-    with _server_env(sglang_python, server_pythonpath):
+    with _server_env(sglang_python, server_pythonpath), open(log_path, "w") as log:
+        launch = LaunchOptions(command=shlex.join(fault_command(cmd, [FAULT])), out=str(act / "traces"),
+                               run_id="server-fault", traffic=Traffic(requests=2, prompt_tokens=60, replays=1),
+                               replace=True, server_log=log)
         try:
             code = run_audit(opts, launch, lambda m: None, say, warn=say)
         except MoetraceError as err:
@@ -97,5 +101,5 @@ def run_server_act(workdir: Path, sglang_python: str, server_pythonpath: str | N
             "fault": FAULT, "audit_exit_code": int(code), "error": error, "ok": judged.ok is True,
             "detail": judged.detail if error is None else f"{judged.detail} ({error})",
             "first_divergence": [f["sentence"] for f in (doc or {}).get("first_divergence") or []],
-            "summaries": [s["sentence"] for s in (doc or {}).get("summaries") or []],
+            "summaries": [g["sentence"] for g in grouped_summaries(doc)] if doc else [], "log": str(log_path),
             "seconds": round(time.perf_counter() - t0, 1)}

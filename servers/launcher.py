@@ -118,7 +118,7 @@ class Launcher:
     def __init__(self, cmd: Sequence[str], config: dict, *, server_flags: str = "auto",
                  disable_cuda_graph: bool = True, close_timeout_s: float = 20.0, stop_grace_s: float = 30.0,
                  replace: bool = False, echo: Callable[[str], None] = print,
-                 targets: Sequence[str] = DEFAULT_TARGETS):
+                 targets: Sequence[str] = DEFAULT_TARGETS, server_log=None):
         if not cmd:
             raise MoetraceError("launch: give the server command after --, e.g. moetrace launch --out t -- python -m "
                                 "sglang.launch_server ...")
@@ -126,6 +126,7 @@ class Launcher:
             raise MoetraceError(f"--server-flags {server_flags!r}: expected one of {', '.join(FLAG_CHOICES)}")
         self.user_cmd = list(cmd)
         self.echo = echo
+        self.server_log = server_log  # an open file for the server's output (default: moetrace's stderr)
         self.close_timeout_s = close_timeout_s
         self.stop_grace_s = stop_grace_s
         self.replace = replace
@@ -291,7 +292,7 @@ class Launcher:
         self.echo("moetrace: " + " ".join(self.cmd[:3]) + " ... " + " ".join(self.flags))
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.server = ServerGroup(self.cmd, self.server_env())
+            self.server = ServerGroup(self.cmd, self.server_env(), self.server_log)
             self.run_manifest["server_pid"] = self.server.pid
             self._write()
             while self.server.poll() is None:

@@ -29,12 +29,13 @@ def _has_fileno(stream) -> bool:
 class ServerGroup:
     """One server command running as the leader of a new session (pgid == sid == pid)."""
 
-    def __init__(self, cmd: Sequence[str], env: Mapping[str, str] | None = None):
+    def __init__(self, cmd: Sequence[str], env: Mapping[str, str] | None = None, log=None):
+        """log: an open file for the server's stdout and stderr (default: moetrace's stderr
+        for both: moetrace's stdout holds its own verdict, never a server's access log)."""
+        out = log if log is not None else (sys.stderr.fileno() if _has_fileno(sys.stderr) else None)
         try:
-            # The server's stdout goes to moetrace's stderr: moetrace's stdout holds its own
-            # verdict (audit --json, selftest --server --json), never a server's access log.
             self.proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None, start_new_session=True,
-                                         stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None)
+                                         stdout=out, stderr=log)
         except OSError as err:
             raise MoetraceError(f"launch: cannot start {cmd[0]} ({err.strerror or err})") from None
         self.pid = self.proc.pid

@@ -104,6 +104,17 @@ def test_demo_text_output(demo_run):
     assert "first divergence: step 0, layer 0, rank 1, expert 0: w2_weight_scale_inv holds expert 2 (E+2)" in out
     assert lines[-1].startswith("race found unfenced; fix validated fenced")  # the verdict comes last
     assert "token 0 vs reference: max |logit delta| 0\n" in out  # fenced is exact
+    # no --sglang-python: the second act (the real SGLang server) is skipped in one line that says how to get it
+    assert demo_run.summary["server_act"] == {"skipped": "no SGLang environment given (make demo passes "
+                                                         "--sglang-python .venv-sglang/bin/python)"}
+    assert sum("second act" in line for line in lines) == 1 and "skipped" in out
+    # with it, the act's lines and the verdict that names it (the real server's run: by hand and `make demo`)
+    act = {"seconds": 1.0, "first_divergence": ["step 1, layer 0, rank 1, expert 0: w2_weight holds expert 2 (E+2)"],
+           "summaries": ["rank 1, layer 0, steps 1-17: 1/8 w2_weight are E+2, 1/8 are E-2 (17 loads)"], "ok": True,
+           "detail": "every planned fault named exactly", "trace": "t", "log": "l"}
+    lines = []
+    demo.print_demo({**demo_run.summary, "server_act": act}, lines.append)
+    assert lines[-1].startswith("race found unfenced; fix validated fenced; fault named in the real server")
 
 
 # the CLI in a process where `import matplotlib` fails, as on a machine without it
