@@ -17,15 +17,18 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Sequence
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Sequence
 
 from moetrace import outputs, storage
-from moetrace.checkpoints import index_checks
 from moetrace.errors import MoetraceError
 from moetrace.schema import INDEX_SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+# pyarrow is imported where it is used: `moetrace index` forks its hashing workers first
+# and imports it while they run (checkpoints.index_build).
 
 INDEX_META_KEY = b"moetrace.index"
 # an index at an output path is recognized by its metadata: -o replaces only an index
@@ -35,6 +38,8 @@ INDEX_FILE = outputs.parquet_metadata("a moetrace index", INDEX_META_KEY)
 def write_index(table: pa.Table, path: str | os.PathLike, option: str = "-o") -> Path:
     """Atomic write (outputs.write_local): a temp file beside the target, renamed when
     complete; a FIFO, device, link or any file but an index at the path is refused, never replaced."""
+    import pyarrow.parquet as pq
+
     outputs.write_local(os.fspath(path), option, lambda tmp: pq.write_table(table, tmp, compression="zstd"),
                         ours=INDEX_FILE, make_parents=True)
     return Path(path)
@@ -46,6 +51,9 @@ REQUIRED_COLUMNS = ("schema_version", "checkpoint_id", "model", "tp_size", "ep_s
 
 
 def _open(path: str | os.PathLike) -> pq.ParquetFile:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     fs, p = storage.open_fs(str(path), "index")
     try:
         return pq.ParquetFile(fs.open_input_file(p))
@@ -80,6 +88,8 @@ def _checked_metadata(path, pf: pq.ParquetFile) -> dict:
     missing = [c for c in REQUIRED_COLUMNS if c not in pf.schema_arrow.names]
     if missing:
         raise MoetraceError(f"index {path}: lacks column(s) {', '.join(missing)}; rebuild it with `moetrace index`")
+    from moetrace.checkpoints import index_checks
+
     index_checks.check_metadata(path, meta)
     return meta
 
@@ -94,6 +104,10 @@ def read_index(path: str | os.PathLike, columns: Sequence[str] | None = None,
     """The one index reader: versions and columns checked, optionally one shard's rows
     (those of one moe_tp_rank). The table's schema metadata keeps the index metadata
     (``INDEX_META_KEY``)."""
+    import pyarrow as pa
+
+    from moetrace.checkpoints import index_checks
+
     pf = _open(path)
     meta = _checked_metadata(path, pf)
     names = pf.schema_arrow.names
@@ -121,6 +135,8 @@ def copy_index(src: Path, dst: str | os.PathLike, option: str = "-o", meta: dict
         outputs.write_local(os.fspath(dst), option, lambda tmp: shutil.copyfile(src, tmp), ours=INDEX_FILE,
                             make_parents=True)
         return Path(dst)
+    import pyarrow.parquet as pq
+
     table = pq.ParquetFile(src).read()  # not read_table: its dataset layer imports pandas
     merged = {**json.loads(table.schema.metadata[INDEX_META_KEY]), **meta}
     return write_index(table.replace_schema_metadata({**table.schema.metadata,

@@ -18,22 +18,31 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from moetrace import __version__, outputs
 from moetrace import fingerprint as fpdef
-from moetrace.checkpoints import arrow_columns, index_cache, index_cpu, index_tensors
-from moetrace.checkpoints.index import INDEX_META_KEY, copy_index, index_metadata, write_index
+from moetrace.checkpoints import index_cache, index_cpu, index_tensors
+from moetrace.checkpoints.index import INDEX_FILE, INDEX_META_KEY, copy_index, index_metadata, write_index
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
 from moetrace.checkpoints.reader import Checkpoint, draft_checkpoint, open_checkpoint, weight_files
 from moetrace.checkpoints.shard_cuts import Parallel, validate_moe_tp
 from moetrace.checkpoints.spec import MoESpec
 from moetrace.errors import MoetraceError
-from moetrace.schema import INDEX_SCHEMA, INDEX_SCHEMA_VERSION, format_ids
+from moetrace.schema import INDEX_SCHEMA_VERSION, format_ids
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+
+def _import_writer() -> None:
+    """pyarrow and the index writer (a tenth of a second of imports): done while the hashing
+    workers run (index_cpu.build_rows' `meanwhile`), not before they start."""
+    import pyarrow.parquet  # noqa: F401
+
+    from moetrace.checkpoints import arrow_columns, index_checks  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,8 @@ def build_index(
     stats: IndexStats | None = None,
     moe_dp_size: int = 1,
     cutter: str = "auto",
+    opened: Checkpoint | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> pa.Table:
     """Fingerprint every expected shard; returns an INDEX_SCHEMA table.
 
@@ -95,10 +106,13 @@ def build_index(
     cutter: "auto" (on the CPU, shards planned as bytes of the files and hashed where they
     lie, checkpoints.index_cpu, wherever that is exact; else checkpoints.shards' tensors),
     "torch" (checkpoints.shards' tensors always: the path the plans are held to in tests).
+    opened: the checkpoint as the caller opened it a moment ago (headers read once).
+    meanwhile: the caller's checks that need no hashing done, run as soon as the hashing has
+    started (an error stops it).
     """
     stats = stats if stats is not None else IndexStats()
     t0 = time.perf_counter()
-    ckpt = open_checkpoint(checkpoint)
+    ckpt = opened or open_checkpoint(checkpoint)
     spec = ckpt.spec
     par = Parallel(tp_size=tp_size, ep_size=ep_size, layout=layout, moe_dp_size=moe_dp_size)
     validate_moe_tp(spec, par)
@@ -109,10 +123,13 @@ def build_index(
     layer_units = [(model, c, layer) for model, c, ls in models for layer in ls]
     if cutter == "auto" and device == "cpu" and all(index_cpu.plannable(c, par, ls) for _, c, ls in models):
         parts, spent = index_cpu.build_rows({model: c for model, c, _ in models}, par,
-                                            [(model, layer) for model, _, layer in layer_units], progress)
+                                            [(model, layer) for model, _, layer in layer_units], progress,
+                                            meanwhile=lambda: (_import_writer(), meanwhile and meanwhile()))
         stats.seconds_fingerprint = sum(spent["seconds"].values())  # the reads are the hashing's page faults
         stats.extra.update(spent)
     else:
+        if meanwhile:
+            meanwhile()
         parts = index_tensors.tensor_rows(layer_units, par, device, progress, stats)
     table = _table(parts, ckpt, spec, draft, draft_why, par, wanted, layout, ep_size, moe_dp_size, stats, checkpoint)
     stats.seconds_build += time.perf_counter() - t0
@@ -122,6 +139,8 @@ def build_index(
 def _table(parts, ckpt: Checkpoint, spec: MoESpec, draft, draft_why: str, par: Parallel, wanted: list[int],
            layout: ServerLayout, ep_size: int, moe_dp_size: int, stats: IndexStats, checkpoint) -> pa.Table:
     """The parts' rows as one INDEX_SCHEMA table in the index's order, with its metadata."""
+    from moetrace.schema import INDEX_SCHEMA
+
     cols = {f.name: [] for f in INDEX_SCHEMA}
     for part in parts:
         for k, v in part.items():
@@ -149,6 +168,11 @@ def _sorted_table(cols: dict[str, list]) -> pa.Table:
     """An INDEX_SCHEMA table of the columns, rows in the index's order (model descending:
     target first; then moe_tp_rank, layer, expert, copy_position), built from buffers:
     no pandas, no pyarrow.compute (arrow_columns)."""
+    import pyarrow as pa
+
+    from moetrace.checkpoints import arrow_columns
+    from moetrace.schema import INDEX_SCHEMA
+
     models = sorted(set(cols["model"]), reverse=True)
     model_rank = np.array([models.index(m) for m in cols["model"]], dtype=np.int64)
     order = np.lexsort([np.asarray(cols[k], dtype=np.int64) for k in ("copy_position", "expert", "layer",
@@ -229,10 +253,12 @@ def cached_index(
     progress: Callable[[int], None] | None = None,
     stats: IndexStats | None = None,
     moe_dp_size: int = 1,
+    opened: Checkpoint | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> tuple[Path, bool]:
     """Path of an index for these options, built only when the cache lacks it.
     Returns (path, reused)."""
-    ckpt = open_checkpoint(checkpoint)  # headers only; opened once for the key and the layers
+    ckpt = opened or open_checkpoint(checkpoint)  # headers only; opened once for the key, layers and build
     resolved = tuple(_resolve_layers(ckpt.spec, layers, checkpoint))
     opts = IndexOptions(tp_size, ep_size, resolved, layout, moe_dp_size)
     path = cache_dir() / f"{cache_key(checkpoint, opts, ckpt.identity)}.parquet"
@@ -249,7 +275,8 @@ def cached_index(
         _writable_cache()  # the stale entry is replaced: a read-only cache is one line, never a raw OSError
         path.unlink(missing_ok=True)
     stats = stats if stats is not None else IndexStats()
-    table = build_index(checkpoint, tp_size, ep_size, resolved, layout, device, progress, stats, moe_dp_size)
+    table = build_index(checkpoint, tp_size, ep_size, resolved, layout, device, progress, stats, moe_dp_size,
+                        opened=ckpt, meanwhile=meanwhile)
     t0 = time.perf_counter()
     write_index(table, path, "MOETRACE_CACHE")
     stats.seconds_write += time.perf_counter() - t0
@@ -259,15 +286,20 @@ def cached_index(
 
 def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size: int, ep_size: int = 1,
                layers: Iterable[int] | None = None, layout: ServerLayout = CANONICAL, device: str = "cpu",
-               use_cache: bool = True, progress: Callable[[int], None] | None = None, moe_dp_size: int = 1) -> dict:
+               use_cache: bool = True, progress: Callable[[int], None] | None = None, moe_dp_size: int = 1,
+               opened: Checkpoint | None = None) -> dict:
     """`moetrace index`: the index at `output` (from the cache unless use_cache is False);
-    returns the summary the command prints."""
+    returns the summary the command prints. opened: as build_index's."""
     t0 = time.perf_counter()
     stats = IndexStats()
     outputs.probe_output(os.fspath(output), "-o")  # before minutes of fingerprinting
+
+    def replaceable() -> None:  # -o replaces only an index: never a checkpoint's weight map or shard
+        outputs.check_output(os.fspath(output), "-o", ours=INDEX_FILE)
+
     if use_cache:
         cached, reused = cached_index(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats,
-                                      moe_dp_size)
+                                      moe_dp_size, opened, replaceable)
         # the copy names the folder asked for now (the cached file names the one that filled the cache) and the
         # cache entry it came from, which a stale verdict drops (analysis.staleness)
         t1 = time.perf_counter()
@@ -275,16 +307,18 @@ def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size
                                                 "cached_as": cached.name})
     else:
         table, reused = build_index(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats,
-                                    moe_dp_size), False
+                                    moe_dp_size, opened=opened, meanwhile=replaceable), False
         t1 = time.perf_counter()
         path = write_index(table, output)
     stats.seconds_write += time.perf_counter() - t1
+    import pyarrow.parquet
+
     meta = index_metadata(path)
     spent = stats.extra.get("seconds", {})
     return {
         "index": str(path),
         "checkpoint_id": meta["checkpoint_id"],
-        "rows": pq.ParquetFile(path).metadata.num_rows,
+        "rows": pyarrow.parquet.ParquetFile(path).metadata.num_rows,
         "tp_size": tp_size,
         "ep_size": ep_size,
         "moe_dp_size": moe_dp_size,

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 
 from moetrace import fingerprint as fpdef
 from moetrace.checkpoints.index import read_index
-from moetrace.checkpoints.index_checks import distinct_rows, rows_where
 from moetrace.checkpoints.reader import Checkpoint, draft_checkpoint, weight_files
 from moetrace.checkpoints.shard_hash import FileBytes, shard_bytes
 from moetrace.checkpoints.shard_plan import plan_expert
@@ -64,6 +63,8 @@ def verify_hit(index_path: str | os.PathLike, ckpt: Checkpoint, par: Parallel, r
                ) -> str | None:
     """None when a random sample of the cached index's chunk digests is reproduced from
     `ckpt` (cut for `par`); else why not, in words."""
+    from moetrace.checkpoints.index_checks import distinct_rows, rows_where
+
     rng = rng or random.Random(os.urandom(8))
     table = read_index(index_path, columns=_COLUMNS)
     if "chunk_digests" not in table.column_names:

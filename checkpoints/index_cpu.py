@@ -2,14 +2,14 @@
 of the files (checkpoints.shard_plan) and hashed where it lies (checkpoints.shard_hash).
 
 A work unit is a block of experts of one (model, layer), every moe_tp_rank (about
-``UNIT_BYTES`` of shards), each expert's ranks one after the other, so a column cut's rows
-are faulted in and read from memory once for all ranks (the second rank's cut is in the
-CPU's cache). The
-units run in worker processes, one per core, forked from this one: the hashing holds the
-GIL (xxhash releases it only above 64 KiB, a chunk is exactly 64 KiB), so threads would
-hash one at a time (docs/fingerprint.md, "Threads"). Each unit maps the files it reads
-and unmaps them when done: a worker's resident set stays about one unit whatever the
-checkpoint's size. Small builds (under ``PROCESS_BYTES``) run in this process.
+``UNIT_BYTES`` of shards); each tensor of an expert is hashed for every rank at once, so
+a column cut's rows are faulted in and read from memory once for all ranks
+(ChunkHasher.digests_of). The units run in worker processes, one per core, forked from
+this one: the hashing holds the GIL (xxhash releases it only above 64 KiB, a chunk is
+exactly 64 KiB), so threads would hash one at a time (docs/fingerprint.md, "Threads").
+Each unit maps the files it reads and unmaps them when done: a worker's resident set
+stays about one unit whatever the checkpoint's size. Small builds (under
+``PROCESS_BYTES``) run in this process.
 """
 
 from __future__ import annotations
@@ -76,14 +76,23 @@ def unit_rows(unit: Unit) -> tuple[dict[str, list], dict[str, float], dict[str, 
     cols: dict[str, list] = {k: [] for k in ("moe_tp_rank", "expert", "tensor", "copy_position", "dtype", "shape",
                                             "nbytes", "digest", "chunk_digests")}
     try:
-        for expert in unit.experts:  # every rank's cut of an expert while its rows are still in cache
+        for expert in unit.experts:  # every rank's cut of an expert at once: a column cut's rows are read once
+            ranks = []
             for r in range(par.moe_tp_size):
                 plans = plan_expert(ckpt, unit.layer, expert, r, par)
                 if plans is None:
                     raise MoetraceError(f"layer {unit.layer} expert {expert}: its shards are not plain bytes of "
                                         f"{ckpt.path} (an expert unlike expert 0)")
+                ranks.append(plans)
+            chunks = {}
+            for name in ranks[0]:
+                if all(name in plans for plans in ranks):
+                    for r, found in enumerate(hasher.digests_of([plans[name] for plans in ranks], files)):
+                        chunks[r, name] = found
+            for r, plans in enumerate(ranks):
                 for name, plan in plans.items():
-                    chunks = hasher.digests(plan, files)
+                    if (r, name) not in chunks:
+                        chunks[r, name] = hasher.digests(plan, files)
                     cols["moe_tp_rank"].append(r)
                     cols["expert"].append(expert)
                     cols["tensor"].append(name)
@@ -91,8 +100,8 @@ def unit_rows(unit: Unit) -> tuple[dict[str, list], dict[str, float], dict[str, 
                     cols["dtype"].append(plan.dtype)
                     cols["shape"].append(list(plan.shape))
                     cols["nbytes"].append(plan.nbytes)
-                    cols["digest"].append(fpdef.tensor_digest(chunks, plan.nbytes))
-                    cols["chunk_digests"].append(chunks)
+                    cols["digest"].append(fpdef.tensor_digest(chunks[r, name], plan.nbytes))
+                    cols["chunk_digests"].append(chunks[r, name])
     finally:
         files.close()
     seconds = {k: v - before[0][k] for k, v in hasher.seconds.items()}
@@ -107,9 +116,12 @@ def _workers(total_bytes: int, n_units: int) -> int:
 
 
 def build_rows(models: dict[str, Checkpoint], par: Parallel, layer_units: list[tuple[str, int]],
-               progress: Callable[[int], None] | None = None) -> tuple[list[dict[str, list]], dict]:
+               progress: Callable[[int], None] | None = None, meanwhile: Callable[[], None] | None = None
+               ) -> tuple[list[dict[str, list]], dict]:
     """Rows of every (model, layer) in layer_units: a list of column dicts, one per unit
-    (without the columns that are the same on every row), and where the time went."""
+    (without the columns that are the same on every row), and where the time went.
+    meanwhile: called once the workers have started (work of this process that they need
+    not wait for), or first when there are none."""
     global _JOB
     units, total = [], 0
     for model, layer in layer_units:
@@ -122,7 +134,7 @@ def build_rows(models: dict[str, Checkpoint], par: Parallel, layer_units: list[t
     nbytes: dict[str, int] = {}
     parts = []
     try:
-        for unit, (cols, s, n) in zip(units, _run(units, workers)):
+        for unit, (cols, s, n) in zip(units, _run(units, workers, meanwhile)):
             n_rows = len(cols["expert"])
             cols["model"], cols["layer"] = [unit.model] * n_rows, [unit.layer] * n_rows
             parts.append(cols)
@@ -138,9 +150,11 @@ def build_rows(models: dict[str, Checkpoint], par: Parallel, layer_units: list[t
     return parts, {"workers": workers, "seconds": seconds, "bytes": nbytes}
 
 
-def _run(units: list[Unit], workers: int):
+def _run(units: list[Unit], workers: int, meanwhile: Callable[[], None] | None):
     """unit_rows of every unit, in order: here, or in `workers` forked processes."""
     if workers <= 1:
+        if meanwhile:
+            meanwhile()
         yield from map(unit_rows, units)
         return
     import multiprocessing
@@ -149,7 +163,14 @@ def _run(units: list[Unit], workers: int):
 
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            yield from pool.map(unit_rows, units)
+            results = pool.map(unit_rows, units)  # forks the workers and hands them every unit
+            if meanwhile:
+                try:
+                    meanwhile()
+                except BaseException:
+                    pool.shutdown(wait=False, cancel_futures=True)  # the units not begun never are
+                    raise
+            yield from results
     except BrokenProcessPool:
         raise MoetraceError("an index worker process died (out of memory?); nothing was written") from None
 

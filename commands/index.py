@@ -40,12 +40,11 @@ def index_cmd(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layou
     import contextlib
     import json
 
-    from moetrace.checkpoints.index import INDEX_FILE
     from moetrace.checkpoints.model_config import no_cache as config_cache_off
     from moetrace.outputs import probe_output
 
     out = _one_out(out, old_out)
-    probe_output(out, "-o", INDEX_FILE)  # -o replaces only an index: never a checkpoint's weight map or shard
+    probe_output(out, "-o")  # whether a file there is an index (pyarrow) is asked while the hashing runs: make_index
     with config_cache_off() if no_cache else contextlib.nullcontext():  # neither the index cache nor the config cache
         summary = _index(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layout_from, device, out,
                          not no_cache, as_json)
@@ -67,7 +66,8 @@ def _index(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layout_f
     from moetrace.errors import MoetraceError
     from moetrace.schema import parse_ids
 
-    spec = open_checkpoint(checkpoint).spec
+    ckpt = open_checkpoint(checkpoint)
+    spec = ckpt.spec
     wanted = parse_ids(layers, "--layers", bound=spec.num_layers)
     check_split(tp_size, ep_size, moe_dp_size)
     if layout_from and up_first:
@@ -82,7 +82,7 @@ def _index(checkpoint, tp_size, ep_size, moe_dp_size, layers, up_first, layout_f
     show_bar = not as_json and sys.stderr.isatty()
     with click.progressbar(length=n_units, label="fingerprinting", file=sys.stderr) if show_bar else NullBar() as bar:
         summary = make_index(checkpoint, out, tp_size, ep_size, wanted, layout, device, use_cache, bar.update,
-                             moe_dp_size)
+                             moe_dp_size, opened=ckpt)
     return summary
 
 

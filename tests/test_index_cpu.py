@@ -171,6 +171,46 @@ def test_worker_processes_small_gathers_and_pread_give_the_same_rows(make_ckpt, 
     assert ixb.build_index(ckpt, 2).equals(want)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_column_cuts_read_once_for_every_rank_give_the_same_rows(make_ckpt, monkeypatch, tp):
+    """Every rank's column cut of a w2 (and of its block scale) is gathered from one staged
+    read of its rows (ChunkHasher.digests_of): the rows equal the tensor path's, with a
+    stage of many row groups and one narrower than a row (grown)."""
+    ckpt = _write(make_ckpt, dict(CHECKPOINTS)["qwen3_moe_fp8_block_f32_h320"])
+    want = ixb.build_index(ckpt, tp, cutter="torch")
+    staged = []
+    real = shard_hash.ChunkHasher._gather_staged
+
+    def counted(self, pairs, files):
+        staged.append(sorted({p.offset for _, p in pairs}))
+        return real(self, pairs, files)
+
+    monkeypatch.setattr(shard_hash.ChunkHasher, "_gather_staged", counted)
+    for stage_bytes in (shard_hash.STAGE_BYTES, 1000, 16):
+        monkeypatch.setattr(index_cpu, "_HASHER", shard_hash.ChunkHasher(gather_bytes=3000, stage_bytes=stage_bytes))
+        staged.clear()
+        assert ixb.build_index(ckpt, tp).equals(want), stage_bytes
+        assert staged and all(len(offsets) == tp for offsets in staged)  # one read served every rank
+    monkeypatch.setattr(index_cpu, "_HASHER", None)
+
+
+def test_a_staged_cut_at_the_wrong_column_is_seen(make_ckpt, monkeypatch):
+    """Negative control: staged cuts that all took the first rank's columns differ."""
+    ckpt = _write(make_ckpt, dict(CHECKPOINTS)["qwen3_moe_fp8_block_f32_h320"])
+    want = ixb.build_index(ckpt, 2, cutter="torch")
+    real = shard_hash.ChunkHasher._gather_staged
+
+    def first_ranks_columns(self, pairs, files):
+        return real(self, [(s, pairs[0][1]) for s, _ in pairs], files)
+
+    monkeypatch.setattr(shard_hash.ChunkHasher, "_gather_staged", first_ranks_columns)
+    monkeypatch.setattr(index_cpu, "_HASHER", None)
+    wrong = ixb.build_index(ckpt, 2)
+    differs = {(r["moe_tp_rank"], r["tensor"]) for r, w in zip(want.to_pylist(), wrong.to_pylist())
+               if r["digest"] != w["digest"]}
+    assert differs == {(1, "w2_weight"), (1, "w2_weight_scale_inv")}
+
+
 def test_a_wrong_cut_is_seen(make_ckpt, monkeypatch):
     """Negative controls: the comparison above tells a shifted column cut and swapped
     halves from the right ones."""

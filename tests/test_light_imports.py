@@ -39,6 +39,11 @@ sys.meta_path.insert(0, Watch())
 import importlib, os
 if os.environ.get("PROBE_IMPORT"):  # a negative control: what a regression would load
     importlib.import_module(os.environ["PROBE_IMPORT"])
+forks = []  # per fork: whether pyarrow was loaded by then
+os.register_at_fork(before=lambda: forks.append("pyarrow" in sys.modules))
+if os.environ.get("PROBE_WORKERS"):  # hash in worker processes, however small the checkpoint
+    from moetrace.checkpoints import index_cpu
+    index_cpu.PROCESS_BYTES, index_cpu.UNIT_BYTES = 0, 1
 from moetrace.cli import main
 try:
     main(sys.argv[1:])
@@ -46,7 +51,7 @@ except SystemExit as e:
     code = e.code
 packages = sorted({m.split(".")[0] for m in sys.modules} - set(sys.stdlib_module_names))
 print(json.dumps({"code": code, "torch": "torch" in sys.modules, "importer": Watch.importer, "packages": packages,
-                  "pyarrow_compute": "pyarrow.compute" in sys.modules}))
+                  "pyarrow_compute": "pyarrow.compute" in sys.modules, "pyarrow_at_fork": forks}))
 """
 
 
@@ -117,6 +122,32 @@ def test_index_built_and_from_the_cache_loads_no_torch_nor_pandas(make_ckpt, tmp
         assert _third_party(out) <= INDEX_PACKAGES, f"{run}: {sorted(_third_party(out) - INDEX_PACKAGES)}"
         assert not out["pyarrow_compute"], f"{run}: pyarrow.compute imported (40-90 ms)"
     assert (tmp_path / "built.parquet").read_bytes() == (tmp_path / "from the cache.parquet").read_bytes()
+
+
+def test_index_forks_its_workers_before_importing_pyarrow(make_ckpt, tmp_path):
+    """pyarrow (a tenth of a second) is imported while the hashing workers run, not before
+    they start; an output there that is not an index is refused all the same, and stays."""
+    import os
+    import shutil
+
+    ckpt = make_ckpt(family="qwen3_moe", fmt="fp8_block", num_layers=2, num_experts=4, hidden=256, intermediate=512)
+    env = {**os.environ, "MOETRACE_CACHE": str(tmp_path / "cache"), "PROBE_WORKERS": "1"}
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: the index hashes in this process")
+    _run("index", ckpt, "--tp", "2", "-o", tmp_path / "first.parquet", env=env)  # fills the config answer
+    shutil.rmtree(tmp_path / "cache" / "index")  # a build, never a hit
+    out = _run("index", ckpt, "--tp", "2", "-o", tmp_path / "first.parquet", env=env)
+    assert out["pyarrow_at_fork"] and not any(out["pyarrow_at_fork"]), out["pyarrow_at_fork"]
+    assert "pyarrow" in out["packages"]
+    shutil.rmtree(tmp_path / "cache" / "index")
+    foreign = tmp_path / "notes.parquet"
+    foreign.write_bytes(b"PAR1 someone else's file PAR1")
+    proc = subprocess.run([sys.executable, "-c", _PROBE, "index", str(ckpt), "--tp", "2", "-o", str(foreign)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["code"] != 0
+    assert "holds a file moetrace did not write" in proc.stderr and "Traceback" not in proc.stderr
+    assert foreign.read_bytes() == b"PAR1 someone else's file PAR1"
+    assert not list((tmp_path / "cache" / "index").glob("*.parquet"))  # the stopped build cached nothing
 
 
 def test_the_package_list_sees_pandas(tmp_path):
