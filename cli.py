@@ -34,6 +34,11 @@ COMMANDS = {
 }
 
 
+# Commands after which the console script may end the process at once (run): no server,
+# thread, child process or trace writer outlives them.
+QUICK_EXIT = frozenset({"index", "hook-spec"})
+
+
 class _Group(click.Group):
     """Every failure is one line on stderr and a non-zero exit, never a traceback:
     MoetraceError with its exit code, a usage error with 2, an OSError (disk, permission,
@@ -58,6 +63,7 @@ class _Group(click.Group):
         return self._commands.get(name)
 
     def get_command(self, ctx, cmd_name: str) -> click.Command | None:
+        self.ran = cmd_name
         return self._load(cmd_name)
 
     def list_commands(self, ctx) -> list[str]:
@@ -113,5 +119,28 @@ def main() -> None:
     """Trace MoE expert weights from checkpoint to GPU and find where they diverge."""
 
 
+def run() -> None:
+    """The `moetrace` console script: main(); after a QUICK_EXIT command the process ends
+    without finalizing the interpreter (tearing down numpy's and pyarrow's modules and three
+    GC passes over them cost 35-50 ms, a tenth of a cache-hit `index`). Output is flushed and
+    the atexit handlers run first. Python callers of main() get its SystemExit as before."""
+    main.ran = None
+    try:
+        main()
+    except SystemExit as done:
+        code = 0 if done.code is None else done.code
+        if main.ran not in QUICK_EXIT or not isinstance(code, int):
+            raise
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:  # a closed pipe: the normal exit reports it
+            raise done from None
+        import atexit
+
+        atexit._run_exitfuncs()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    run()

@@ -224,6 +224,9 @@ def main() -> None:
         nbytes = write_checkpoint(root, layers, experts, args.hidden, args.intermediate)
         t_write = time.perf_counter() - t0
         env = {**os.environ, "MOETRACE_CACHE": str(tmp / "cache"), "PYTHONUNBUFFERED": "1"}
+        # As installed: pip compiles a package's bytecode at install; with PYTHONDONTWRITEBYTECODE
+        # set (as on these machines) every process would compile moetrace's ~250 modules again.
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         first = run_process(_moetrace() + ["index", str(root), "--tp", "2", "-o", str(tmp / "first.parquet"),
                                            "--json"], env)  # reads the config through transformers, once
         read_files_once(root)

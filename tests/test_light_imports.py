@@ -150,6 +150,45 @@ def test_index_forks_its_workers_before_importing_pyarrow(make_ckpt, tmp_path):
     assert not list((tmp_path / "cache" / "index").glob("*.parquet"))  # the stopped build cached nothing
 
 
+_ENDS = r"""
+import atexit, os, sys
+atexit.register(lambda: open(os.environ["ATEXIT_MARK"], "w").write("ran"))
+from moetrace.cli import run
+sys.argv[0] = "moetrace"
+run()  # what the console script calls
+"""
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_the_console_entry_ends_with_its_exit_code_output_and_atexit(make_ckpt, tmp_path, quick):
+    """The console script: index (QUICK_EXIT: the process ends without finalizing the
+    interpreter) and analyze (a normal exit) give the same exit codes, complete output
+    through a pipe, and run the atexit handlers."""
+    import os
+
+    ckpt = make_ckpt(family="qwen3_moe", fmt="fp8_block", num_layers=2, num_experts=4, hidden=256, intermediate=512)
+    env = {**os.environ, "MOETRACE_CACHE": str(tmp_path / "cache"), "ATEXIT_MARK": str(tmp_path / "mark")}
+    if quick:
+        ok = ["index", str(ckpt), "--tp", "2", "-o", str(tmp_path / "i.parquet"), "--json"]
+        bad = ["index", str(tmp_path / "nowhere"), "--tp", "2", "-o", str(tmp_path / "j.parquet")]
+    else:
+        ok = ["index", str(ckpt), "--tp", "2", "-o", str(tmp_path / "i.parquet")]  # builds the index analyze needs
+        subprocess.run([sys.executable, "-c", _ENDS, *ok], env=env, check=True, capture_output=True)
+        ok = ["analyze", "--help"]
+        bad = ["analyze", str(tmp_path / "no-trace"), "--index", str(tmp_path / "i.parquet"), "-o",
+               str(tmp_path / "report")]
+    for args, code in ((ok, 0), (bad, 2)):
+        (tmp_path / "mark").unlink(missing_ok=True)
+        proc = subprocess.run([sys.executable, "-c", _ENDS, *args], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == code, proc.stderr
+        assert (tmp_path / "mark").read_text() == "ran"
+        if code:
+            assert proc.stderr.startswith("moetrace: error:") and len(proc.stderr.splitlines()) == 1
+        elif quick:
+            assert json.loads(proc.stdout)["rows"] > 0  # the whole line came through the pipe
+
+
 def test_the_package_list_sees_pandas(tmp_path):
     """Negative control: a run that loads pandas is told from one that does not."""
     import os

@@ -118,8 +118,39 @@ def test_transformers_answer_is_remembered_per_config_and_release(tmp_path, monk
     assert mc.read_transformers(cfg, arch, "config.json") == first and not asked
     other = dict(cfg, num_local_experts=cfg["num_local_experts"] + 1)
     assert mc.read_transformers(other, arch, "config.json") == {"num_experts": -1} and len(asked) == 1
-    monkeypatch.setattr(mc.metadata, "version", lambda name: "0.0-another-release")
+    monkeypatch.setattr(mc, "installed_release", lambda name: "0.0-another-release")
     assert mc.read_transformers(cfg, arch, "config.json") == {"num_experts": -1} and len(asked) == 2
+
+
+@pytest.mark.parametrize("dist", ["transformers", "numpy", "pyarrow", "click", "xxhash", "not-installed-dist"])
+def test_the_release_is_importlib_metadatas(dist):
+    """The release read off the .dist-info folder's name is importlib.metadata's answer."""
+    from importlib import metadata
+
+    try:
+        want = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        want = None
+    assert mc.installed_release(dist) == want
+
+
+def test_the_first_record_on_sys_path_wins_and_egg_info_asks_importlib(tmp_path, monkeypatch):
+    """A .dist-info ahead on sys.path shadows the installed one, as for importlib.metadata;
+    where an .egg-info is the record (its name may not carry the release), importlib answers."""
+    from importlib import metadata
+
+    ahead = tmp_path / "ahead"
+    (ahead / "moetrace_probe_dist-9.8.7.dist-info").mkdir(parents=True)
+    (ahead / "moetrace_probe_dist-9.8.7.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: moetrace_probe_dist\nVersion: 9.8.7\n")
+    monkeypatch.syspath_prepend(str(ahead))
+    assert mc.installed_release("moetrace_probe_dist") == metadata.version("moetrace_probe_dist") == "9.8.7"
+    egg = tmp_path / "egg"
+    (egg / "moetrace_probe_egg.egg-info").mkdir(parents=True)
+    (egg / "moetrace_probe_egg.egg-info" / "PKG-INFO").write_text(
+        "Metadata-Version: 2.1\nName: moetrace_probe_egg\nVersion: 1.2.3\n")
+    monkeypatch.syspath_prepend(str(egg))
+    assert mc.installed_release("moetrace_probe_egg") == metadata.version("moetrace_probe_egg") == "1.2.3"
 
 
 def _kept(cache) -> list:
