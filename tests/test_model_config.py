@@ -134,23 +134,25 @@ def test_the_release_is_importlib_metadatas(dist):
     assert mc.installed_release(dist) == want
 
 
+def _record(folder, name: str, release: str, kind: str) -> None:
+    """A distribution's metadata record on a path entry: {name}-{release}.dist-info/METADATA,
+    or an {name}.egg-info/PKG-INFO (whose folder name carries no release)."""
+    record = folder / (f"{name}-{release}.dist-info" if kind == "dist-info" else f"{name}.egg-info")
+    record.mkdir(parents=True)
+    text = f"Metadata-Version: 2.1\nName: {name}\nVersion: {release}\n"
+    (record / ("METADATA" if kind == "dist-info" else "PKG-INFO")).write_text(text)
+
+
 def test_the_first_record_on_sys_path_wins_and_egg_info_asks_importlib(tmp_path, monkeypatch):
     """A .dist-info ahead on sys.path shadows the installed one, as for importlib.metadata;
     where an .egg-info is the record (its name may not carry the release), importlib answers."""
     from importlib import metadata
 
-    ahead = tmp_path / "ahead"
-    (ahead / "moetrace_probe_dist-9.8.7.dist-info").mkdir(parents=True)
-    (ahead / "moetrace_probe_dist-9.8.7.dist-info" / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: moetrace_probe_dist\nVersion: 9.8.7\n")
-    monkeypatch.syspath_prepend(str(ahead))
-    assert mc.installed_release("moetrace_probe_dist") == metadata.version("moetrace_probe_dist") == "9.8.7"
-    egg = tmp_path / "egg"
-    (egg / "moetrace_probe_egg.egg-info").mkdir(parents=True)
-    (egg / "moetrace_probe_egg.egg-info" / "PKG-INFO").write_text(
-        "Metadata-Version: 2.1\nName: moetrace_probe_egg\nVersion: 1.2.3\n")
-    monkeypatch.syspath_prepend(str(egg))
-    assert mc.installed_release("moetrace_probe_egg") == metadata.version("moetrace_probe_egg") == "1.2.3"
+    for name, release, kind in (("moetrace_probe_dist", "9.8.7", "dist-info"), ("moetrace_probe_egg", "1.2.3",
+                                                                                "egg-info")):
+        _record(tmp_path / kind, name, release, kind)
+        monkeypatch.syspath_prepend(str(tmp_path / kind))
+        assert mc.installed_release(name) == metadata.version(name) == release
 
 
 def _kept(cache) -> list:
