@@ -30,9 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_vllm import free_port, measure
-
-from moetrace.jobs.timing import cpu_description, median
+from bench_vllm import free_port, measure, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -69,23 +67,8 @@ def main() -> None:
         for r in range(args.rounds):
             rounds.append({kind: serve(kind, venv, model, out, f"{kind}-{r}", args) for kind in ("plain", "traced")})
             load.append(os.getloadavg()[0])
-        all_lat = {k: [x for rd in rounds for x in rd[k]["latencies_ms"]] for k in ("plain", "traced")}
-        doc = {
-            "cpu": cpu_description(), "load_average_1min": [round(x, 2) for x in load],
-            "model": "tests' tiny Qwen3-MoE (support.vllm_model, I 64: 2 MoE layers, 8 experts)",
-            "requests": args.requests, "max_tokens": args.max_tokens,
-            "per_round": [{"plain_ms": rd["plain"]["median_ms"], "traced_ms": rd["traced"]["median_ms"],
-                           "ratio": round(rd["traced"]["median_ms"] / rd["plain"]["median_ms"], 3),
-                           "cpu_ms_per_request": [rd[k]["cpu_ms_per_request"] for k in ("plain", "traced")],
-                           "traced_complete": rd["traced"]["complete"], "traced_rows": rd["traced"]["rows"],
-                           "healthy_s": [rd["plain"]["healthy_s"], rd["traced"]["healthy_s"]]} for rd in rounds],
-            "plain_median_ms": round(median(all_lat["plain"]), 2),
-            "traced_median_ms": round(median(all_lat["traced"]), 2),
-        }
-        doc["ratio"] = round(doc["traced_median_ms"] / doc["plain_median_ms"], 3)
-        cpu = {k: sum(rd[k]["cpu_ms_per_request"] for rd in rounds) / len(rounds) for k in ("plain", "traced")}
-        doc["cpu_ms_per_request"] = {k: round(v, 1) for k, v in cpu.items()}
-        doc["cpu_ratio"] = round(cpu["traced"] / cpu["plain"], 3)
+        doc = summarize(rounds, "plain", load, "tests' tiny Qwen3-MoE (support.vllm_model, I 64: 2 MoE layers, "
+                        "8 experts)", args)
         print(json.dumps(doc, indent=1))
 
 

@@ -151,6 +151,29 @@ def measure(cmd: list[str], env: dict, port: int, out: Path, tag: str, args, tra
     return res
 
 
+def summarize(rounds: list[dict], base: str, load: list[float], model: str, args) -> dict:
+    """The rounds' latencies and CPU per request, `base` (the server without moetrace's hook)
+    against "traced", medians over every request and the ratios."""
+    kinds = (base, "traced")
+    all_lat = {k: [x for rd in rounds for x in rd[k]["latencies_ms"]] for k in kinds}
+    doc = {
+        "cpu": cpu_description(), "load_average_1min": [round(x, 2) for x in load], "model": model,
+        "requests": args.requests, "max_tokens": args.max_tokens,
+        "per_round": [{f"{base}_ms": rd[base]["median_ms"], "traced_ms": rd["traced"]["median_ms"],
+                       "ratio": round(rd["traced"]["median_ms"] / rd[base]["median_ms"], 3),
+                       "cpu_ms_per_request": [rd[k]["cpu_ms_per_request"] for k in kinds],
+                       "traced_complete": rd["traced"]["complete"], "traced_rows": rd["traced"]["rows"],
+                       "healthy_s": [rd[k]["healthy_s"] for k in kinds]} for rd in rounds],
+        f"{base}_median_ms": round(median(all_lat[base]), 2),
+        "traced_median_ms": round(median(all_lat["traced"]), 2),
+    }
+    doc["ratio"] = round(doc["traced_median_ms"] / doc[f"{base}_median_ms"], 3)
+    cpu = {k: sum(rd[k]["cpu_ms_per_request"] for rd in rounds) / len(rounds) for k in kinds}
+    doc["cpu_ms_per_request"] = {k: round(v, 1) for k, v in cpu.items()}
+    doc["cpu_ratio"] = round(cpu["traced"] / cpu[base], 3)
+    return doc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--venv", default=str(ROOT / ".venv-vllm"))
@@ -174,23 +197,8 @@ def main() -> None:
         for r in range(args.rounds):
             rounds.append({kind: serve(kind, venv, model, out, f"{kind}-{r}", args) for kind in ("eager", "traced")})
             load.append(os.getloadavg()[0])
-        all_lat = {k: [x for rd in rounds for x in rd[k]["latencies_ms"]] for k in ("eager", "traced")}
-        doc = {
-            "cpu": cpu_description(), "load_average_1min": [round(x, 2) for x in load],
-            "model": model if args.model else "tests' tiny Qwen3-MoE (support.vllm_model)",
-            "requests": args.requests, "max_tokens": args.max_tokens,
-            "per_round": [{"eager_ms": rd["eager"]["median_ms"], "traced_ms": rd["traced"]["median_ms"],
-                           "ratio": round(rd["traced"]["median_ms"] / rd["eager"]["median_ms"], 3),
-                           "cpu_ms_per_request": [rd[k]["cpu_ms_per_request"] for k in ("eager", "traced")],
-                           "traced_complete": rd["traced"]["complete"], "traced_rows": rd["traced"]["rows"],
-                           "healthy_s": [rd["eager"]["healthy_s"], rd["traced"]["healthy_s"]]} for rd in rounds],
-            "eager_median_ms": round(median(all_lat["eager"]), 2),
-            "traced_median_ms": round(median(all_lat["traced"]), 2),
-        }
-        doc["ratio"] = round(doc["traced_median_ms"] / doc["eager_median_ms"], 3)
-        cpu = {k: sum(rd[k]["cpu_ms_per_request"] for rd in rounds) / len(rounds) for k in ("eager", "traced")}
-        doc["cpu_ms_per_request"] = {k: round(v, 1) for k, v in cpu.items()}
-        doc["cpu_ratio"] = round(cpu["traced"] / cpu["eager"], 3)
+        doc = summarize(rounds, "eager", load, model if args.model else "tests' tiny Qwen3-MoE (support.vllm_model)",
+                        args)
         doc["target"] = "traced <= 1.1x eager"
         print(json.dumps(doc, indent=1))
 

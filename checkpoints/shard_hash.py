@@ -205,10 +205,10 @@ class ChunkHasher:
             self._bufs.append(np.empty(self._gather_bytes + C, dtype=np.uint8))
         streams = [_Stream(buf) for buf in self._bufs[:len(plans)]]
         if len(plans) > 1 and len({len(p.pieces) for p in plans}) == 1:
-            steps = [(list(zip(streams, pieces)),) for pieces in zip(*(p.pieces for p in plans))]
+            steps = [list(zip(streams, pieces)) for pieces in zip(*(p.pieces for p in plans))]
         else:
-            steps = [([(s, p)],) for s, plan in zip(streams, plans) for p in plan.pieces]
-        for (pairs,) in steps:
+            steps = [[(s, p)] for s, plan in zip(streams, plans) for p in plan.pieces]
+        for pairs in steps:  # one piece of each shard at a time
             t0 = time.thread_time()
             if len(pairs) > 1 and _same_rows([p for _, p in pairs]):
                 self._gather_staged(pairs, files)
