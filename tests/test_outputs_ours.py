@@ -59,6 +59,8 @@ def test_index_out_never_replaces_a_checkpoint_file(ckpt, tmp_path):
     index = tmp_path / "index.parquet"
     assert cli("index", ckpt, "--tp", "2", "-o", index).exit_code == 0
     assert cli("index", ckpt, "--tp", "1", "-o", index).exit_code == 0  # our own index: replaced
+    _refused(cli("index", ckpt, "--tp", "2", "-o", shard), "-o", shard)  # a cache hit now: the copy refuses it too
+    assert _digests(ckpt) == before
     import pyarrow.parquet as pq
 
     assert pq.read_table(index).column("tp_size").to_pylist()[0] == 1
