@@ -3,12 +3,12 @@ of the files (checkpoints.shard_plan) and hashed where it lies (checkpoints.shar
 
 A work unit is a block of experts of one (model, layer), every moe_tp_rank (about
 ``UNIT_BYTES`` of shards); each tensor of an expert is hashed for every rank at once, so
-a column cut's rows are faulted in and read from memory once for all ranks
-(ChunkHasher.digests_of). The units run in worker processes, one per core, forked from
-this one: the hashing holds the GIL (xxhash releases it only above 64 KiB, a chunk is
-exactly 64 KiB), so threads would hash one at a time (docs/fingerprint.md, "Threads").
-Each unit maps the files it reads and unmaps them when done: a worker's resident set
-stays about one unit whatever the checkpoint's size. Small builds (under
+a column cut's rows are read once for all ranks (ChunkHasher.digests_of). The units run
+in worker processes, one per core, forked from this one: the hashing holds the GIL
+(xxhash releases it only above 64 KiB, a chunk is exactly 64 KiB), so threads would hash
+one at a time (docs/fingerprint.md, "Threads"). A worker reads the files into a few
+reused buffers (checkpoints.shard_hash) and closes them after each unit: its resident
+set stays a few MiB whatever the checkpoint's size. Small builds (under
 ``PROCESS_BYTES``) run in this process.
 """
 

@@ -1,16 +1,19 @@
-"""Planned shards (checkpoints.shard_plan) read and hashed where they lie.
+"""Planned shards (checkpoints.shard_plan) read and hashed.
 
-A checkpoint's files are mapped read-only (``FileBytes``; where a file cannot be mapped,
-its pieces are read with pread into one reused buffer). ``ChunkHasher`` streams a shard's
-bytes into 64 KiB chunks: the whole chunks of a contiguous piece (gate and up rows, a
-whole tensor) are hashed straight from the mapping, no copy; a column cut (w2, its block
-scale) is gathered a group of rows at a time into a buffer small enough to stay in cache
-(``GATHER_BYTES``) and its chunks hashed at once; a chunk that spans two pieces is gathered
-too. Every rank's cut of the same rows is made from one contiguous copy of those rows
-(``STAGE_BYTES`` at a time, ``ChunkHasher.digests_of``): a strided gather straight from the
-page cache runs at a third of a contiguous copy's speed. Only where the bytes come from
-differs from the fingerprint's definition (moetrace.fingerprint): the chunk digests are
-the same calls over the same bytes.
+``ChunkHasher`` streams a shard's bytes into 64 KiB chunks. A contiguous piece (gate and
+up rows, a whole tensor) has its whole chunks hashed straight from a read-only mapping of
+the file where the kernel maps its page cache in 2 MiB entries, and is otherwise read a
+block at a time (``READ_BYTES``) with pread into one reused buffer and hashed there
+(``FileBytes.mapping_pays`` probes which, once per file: a 4 KiB page mapped costs a
+page-table entry set up, walked and torn down, more than pread's copy of it). A column
+cut (w2, its block scale) is read once for every rank: rows copied into a staging buffer
+with pread (``STAGE_BYTES`` at a time, ``ChunkHasher.digests_of``), each rank's cut
+gathered from there a group of rows at a time into a buffer small enough to stay in cache
+(``GATHER_BYTES``) and its chunks hashed at once; a chunk that spans two pieces is
+gathered too. Pieces cast to float32 (BF16 and FP16 scales: a few rows) are read through
+a mapping (``FileBytes.region``). Only where the bytes come from differs from the
+fingerprint's definition (moetrace.fingerprint): the chunk digests are the same calls
+over the same bytes.
 """
 
 from __future__ import annotations
@@ -29,17 +32,76 @@ from moetrace.errors import MoetraceError
 C = fpdef.CHUNK_BYTES
 GATHER_BYTES = 256 << 10  # a group of gathered rows: hashed while it is still in L2
 STAGE_BYTES = 512 << 10  # rows read once for every rank's column cut of them
+READ_BYTES = 1 << 20  # a contiguous piece is read this much at a time (whole chunks: hashed where they land)
+
+
+# Whether a file's page cache maps in 2 MiB entries (mapping_pays), per (path, size, mtime):
+# the answer of this process's first probe of it (it changes only what is fastest).
+_PAYS: dict[tuple, bool] = {}
+PROBES = 4  # points of a file touched through a mapping to ask how its page cache maps
+SMAPS = "/proc/self/smaps_rollup"
 
 
 class FileBytes:
-    """Read-only views of a checkpoint's files, opened on first use; close() unmaps them
-    (their pages stay in the page cache, out of this process's resident set)."""
+    """A checkpoint's files, opened on first use. ``read_into`` copies bytes into a buffer
+    of the caller's with pread; ``region`` gives a read-only mapped view (a file that
+    cannot be mapped: pread into one reused buffer); ``mapping_pays`` says which of the two
+    hashes a file's contiguous pieces faster. close() unmaps and closes (the pages stay in
+    the page cache)."""
 
     def __init__(self):
         self._arrays: dict[Path, np.ndarray] = {}
         self._maps: list[mmap.mmap] = []
-        self._fds: dict[Path, int] = {}  # files read with pread (no mapping)
+        self._fds: dict[Path, int] = {}
+        self._unmappable: set[Path] = set()
         self._buffer = np.empty(0, dtype=np.uint8)
+
+    def read_into(self, path: Path, offset: int, out: np.ndarray) -> np.ndarray:
+        """Bytes [offset, offset + len(out)) of `path` copied into the uint8 array `out`; returns it."""
+        fd, view, done, length = self._fd(path), memoryview(out), 0, len(out)
+        while done < length:
+            try:
+                n = os.preadv(fd, [view[done:]], offset + done)
+            except OSError as err:
+                raise MoetraceError(f"{path}: cannot read ({err.strerror or err})") from None
+            if n <= 0:
+                raise MoetraceError(f"{path}: file ends before the tensor's data (truncated?)")
+            done += n
+        return out
+
+    def mapping_pays(self, path: Path) -> bool:
+        """Whether to hash this file's pieces through a mapping rather than read them. Where
+        the kernel holds its page cache in 2 MiB folios (large-folio file systems, recent
+        kernels) a mapping takes one page-table entry per 2 MiB and beats pread's copy
+        (1.2 GB hashed in 0.063 s against 0.088 s, measured: docs/benchmarks.md); where it
+        holds 4 KiB pages, each costs an entry set up, walked and torn down, and pread wins
+        (0.130 against 0.169 s). Asked once per file and process: PROBES points of it are
+        touched through a mapping and the process's FilePmdMapped must grow by 2 MiB for
+        at least half of them. Without /proc (or a mapping): read."""
+        try:
+            st = os.fstat(self._fd(path))
+        except MoetraceError:
+            return False
+        key = (path, st.st_size, st.st_mtime_ns)
+        if key not in _PAYS:
+            _PAYS[key] = self._probe(path, st.st_size)
+        return _PAYS[key]
+
+    def _probe(self, path: Path, size: int) -> bool:
+        huge = 2 << 20
+        if size < huge:
+            return False
+        points = sorted({(size * k // (PROBES + 1)) // huge * huge for k in range(1, PROBES + 1)})
+        before = _pmd_mapped_kib()
+        if before is None or path in self._unmappable:
+            return False
+        arr = self._arrays.get(path)
+        if arr is None and (arr := self._map(path)) is None:
+            return False
+        for p in points:  # one byte each: its fault maps the folio around it
+            arr[p]
+        after = _pmd_mapped_kib()
+        return after is not None and (after - before) * 1024 >= huge * -(-len(points) // 2)
 
     def region(self, path: Path, offset: int, length: int) -> np.ndarray:
         """uint8 view of bytes [offset, offset + length) of `path`. A mapped file's view
@@ -47,34 +109,32 @@ class FileBytes:
         if length <= 0:
             return np.empty(0, dtype=np.uint8)
         arr = self._arrays.get(path)
-        if arr is None and path not in self._fds:
-            arr = self._open(path)
+        if arr is None and path not in self._unmappable:
+            arr = self._map(path)
         if arr is not None:
             if offset + length > len(arr):
                 raise MoetraceError(f"{path}: file ends before the tensor's data (truncated?)")
             return arr[offset:offset + length]
         if len(self._buffer) < length:
             self._buffer = np.empty(length, dtype=np.uint8)
-        view, done = memoryview(self._buffer)[:length], 0
-        while done < length:
-            n = os.preadv(self._fds[path], [view[done:]], offset + done)
-            if n <= 0:
-                raise MoetraceError(f"{path}: file ends before the tensor's data (truncated?)")
-            done += n
-        return self._buffer[:length]
+        return self.read_into(path, offset, self._buffer[:length])
 
-    def _open(self, path: Path) -> np.ndarray | None:
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            except OSError as err:
+                raise MoetraceError(f"{path}: cannot read ({err.strerror or err})") from None
+        return fd
+
+    def _map(self, path: Path) -> np.ndarray | None:
+        fd = self._fd(path)
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as err:
-            raise MoetraceError(f"{path}: cannot read ({err.strerror or err})") from None
-        try:
-            size = os.fstat(fd).st_size
-            m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            m = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
         except (OSError, ValueError):  # not mappable (some FUSE and network file systems; empty files)
-            self._fds[path] = fd
+            self._unmappable.add(path)
             return None
-        os.close(fd)
         self._maps.append(m)
         arr = self._arrays[path] = np.frombuffer(m, dtype=np.uint8)
         return arr
@@ -92,6 +152,18 @@ class FileBytes:
         self._fds.clear()
 
     __del__ = close
+
+
+def _pmd_mapped_kib() -> int | None:
+    """File pages this process maps in 2 MiB entries, KiB (None: the kernel does not say)."""
+    try:
+        with open(SMAPS) as fh:
+            for line in fh:
+                if line.startswith("FilePmdMapped:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _rows_view(files: FileBytes, p: Piece, r0: int, r1: int) -> np.ndarray:
@@ -180,14 +252,15 @@ class _Stream:
 
 class ChunkHasher:
     """Chunk digests of planned shards; one per process (its buffers are reused).
-    `seconds` (this thread's CPU seconds, page faults included: a machine's other load does
+    `seconds` (this thread's CPU seconds, the reads included: a machine's other load does
     not count) and `nbytes` say where the time went: contiguous pieces hashed in place,
     column cuts gathered and hashed (and zeros)."""
 
-    def __init__(self, gather_bytes: int = GATHER_BYTES, stage_bytes: int = STAGE_BYTES):
+    def __init__(self, gather_bytes: int = GATHER_BYTES, stage_bytes: int = STAGE_BYTES, read_bytes: int = READ_BYTES):
         self._gather_bytes = gather_bytes
         self._bufs: list[np.ndarray] = []
         self._stage = np.empty(stage_bytes, dtype=np.uint8)
+        self._read = np.empty(read_bytes, dtype=np.uint8)
         self.seconds = {"in_place": 0.0, "column_cuts": 0.0}
         self.nbytes = {"in_place": 0, "column_cuts": 0}
 
@@ -225,7 +298,14 @@ class ChunkHasher:
 
     def _piece(self, s: _Stream, p: Piece, files: FileBytes) -> str:
         if p.file is not None and p.cast is None and (p.rows == 1 or (p.width == p.stride and not p.pad)):
-            s.in_place(files.region(p.file, p.offset, p.rows * p.width))
+            pos, end = p.offset, p.offset + p.rows * p.width
+            if files.mapping_pays(p.file):
+                s.in_place(files.region(p.file, pos, end - pos))
+                pos = end
+            while pos < end:  # a read's worth at a time: its whole chunks hashed where they landed
+                n = min(len(self._read), end - pos)
+                s.in_place(files.read_into(p.file, pos, self._read[:n]))
+                pos += n
             if p.pad:
                 s.zeros(p.pad)
             return "in_place"
@@ -244,9 +324,7 @@ class ChunkHasher:
             self._stage = np.empty((g - 1) * first.stride + span, dtype=np.uint8)
         for r0 in range(0, first.rows, g):
             n = min(g, first.rows - r0)
-            src = files.region(first.file, lo + r0 * first.stride, (n - 1) * first.stride + span)
-            stage = self._stage[:len(src)]
-            stage[:] = src
+            stage = files.read_into(first.file, lo + r0 * first.stride, self._stage[:(n - 1) * first.stride + span])
             for s, p in pairs:
                 s.gather(np.ndarray((n, p.width), dtype=np.uint8, buffer=stage, offset=p.offset - lo,
                                     strides=(p.stride, 1)), p)

@@ -9,6 +9,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from moetrace.checkpoints.layout import ServerLayout
 from moetrace.checkpoints.reader import draft_checkpoint, open_checkpoint
 from moetrace.checkpoints.safetensors_file import SCHEMA_DTYPES, torch_dtypes
 from moetrace.checkpoints.shards import Parallel, expected_experts
+from moetrace.errors import MoetraceError
 from moetrace.schema import dtype_name
 
 H, E = 256, 4
@@ -169,6 +171,93 @@ def test_worker_processes_small_gathers_and_pread_give_the_same_rows(make_ckpt, 
     monkeypatch.setattr(index_cpu, "_HASHER", None)
     monkeypatch.setattr(shard_hash.mmap, "mmap", no_mapping)
     assert ixb.build_index(ckpt, 2).equals(want)
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe_fp8_block_f32_h320", "qwen3_5_fp8_block_bf16_draft"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pieces_read_a_block_at_a_time_give_the_same_rows(make_ckpt, monkeypatch, tp, case):
+    """Where a mapping does not pay (FileBytes.mapping_pays), contiguous pieces are read
+    into a reused block (pread, FileBytes.read_into) and hashed there: blocks smaller than
+    a chunk, not a multiple of one, or larger than a piece give the tensor path's rows.
+    Only pieces cast to float32 (the BF16 scales) are mapped then: F32 scales and every
+    weight are read. Where it pays, the pieces are hashed from the mapping: the same rows."""
+    ckpt = _write(make_ckpt, dict(CHECKPOINTS)[case])
+    want = ixb.build_index(ckpt, tp, cutter="torch")
+    monkeypatch.setattr(shard_hash.FileBytes, "mapping_pays", lambda self, path: True)
+    monkeypatch.setattr(index_cpu, "_HASHER", None)
+    assert ixb.build_index(ckpt, tp).equals(want)
+    monkeypatch.setattr(shard_hash.FileBytes, "mapping_pays", lambda self, path: False)
+    mapped = []
+    real = shard_hash.FileBytes.region
+
+    def region(self, path, offset, length):
+        mapped.append(length)
+        return real(self, path, offset, length)
+
+    monkeypatch.setattr(shard_hash.FileBytes, "region", region)
+    for read_bytes in (1000, fpdef.CHUNK_BYTES + 7, 3 * fpdef.CHUNK_BYTES, shard_hash.READ_BYTES):
+        monkeypatch.setattr(index_cpu, "_HASHER", shard_hash.ChunkHasher(read_bytes=read_bytes))
+        assert ixb.build_index(ckpt, tp).equals(want), read_bytes
+    if "f32" in case:
+        assert mapped == []
+    else:
+        assert mapped and max(mapped) < 64  # a few scale rows at a time
+    monkeypatch.setattr(index_cpu, "_HASHER", None)
+
+
+def test_a_mapping_pays_where_the_probed_points_map_in_2_mib_entries(tmp_path, monkeypatch):
+    """FileBytes.mapping_pays: asked once per file and process; yes where the process's
+    FilePmdMapped grew by 2 MiB for at least half the probed points, no where it grew
+    less, where the kernel does not say (no /proc) and for a file under 2 MiB."""
+    big, small = tmp_path / "big.safetensors", tmp_path / "small.safetensors"
+    big.write_bytes(bytes(9 << 20))
+    small.write_bytes(bytes(1 << 20))
+    monkeypatch.setattr(shard_hash, "_PAYS", {})
+    real = shard_hash._pmd_mapped_kib
+    for grew, pays in ((2 * 2048, True), (4 * 2048, True), (2048, False), (0, False), (None, False)):
+        shard_hash._PAYS.clear()
+        answers = iter([0, grew])
+        asked = []
+
+        def pmd(answers=answers, asked=asked):
+            asked.append(1)
+            return None if grew is None else next(answers)
+
+        monkeypatch.setattr(shard_hash, "_pmd_mapped_kib", pmd)
+        files = shard_hash.FileBytes()
+        assert files.mapping_pays(big) is pays, grew
+        assert files.mapping_pays(big) is pays and len(asked) == (1 if grew is None else 2)  # asked once
+        assert files.mapping_pays(small) is False
+        files.close()
+    monkeypatch.setattr(shard_hash, "_pmd_mapped_kib", real)
+
+    def no_mapping(*a, **k):
+        raise OSError(19, "No such device")
+
+    with monkeypatch.context() as m:  # a file that cannot be mapped: no, and not read whole to find out
+        m.setattr(shard_hash.mmap, "mmap", no_mapping)
+        shard_hash._PAYS.clear()
+        files = shard_hash.FileBytes()
+        assert files.mapping_pays(big) is False and len(files._buffer) == 0
+        files.close()
+    monkeypatch.setattr(shard_hash, "SMAPS", str(tmp_path / "no such file"))
+    shard_hash._PAYS.clear()
+    files = shard_hash.FileBytes()
+    assert files.mapping_pays(big) is False
+    files.close()
+
+
+def test_a_file_cut_short_while_read_is_one_line(tmp_path):
+    """A file that ends before the bytes asked for (cut short after its header was read)."""
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(bytes(100))
+    files = shard_hash.FileBytes()
+    assert bytes(files.read_into(f, 40, np.ones(60, dtype=np.uint8))) == bytes(60)
+    with pytest.raises(MoetraceError, match=r"model.safetensors: file ends before the tensor's data"):
+        files.read_into(f, 50, np.empty(60, dtype=np.uint8))
+    with pytest.raises(MoetraceError, match=r"nothing.safetensors: cannot read"):
+        files.read_into(tmp_path / "nothing.safetensors", 0, np.empty(1, dtype=np.uint8))
+    files.close()
 
 
 @pytest.mark.parametrize("tp", [2, 4])
