@@ -158,7 +158,9 @@ def _arrow_schemas() -> dict:
         pa.field("tensor", pa.string(), nullable=False),  # FusedMoE param name, e.g. w2_weight_scale_inv
         pa.field("copy_position", pa.int8(), nullable=False),
         pa.field("dtype", pa.string(), nullable=False),  # dtype_name()
-        pa.field("shape", pa.list_(pa.int64()), nullable=False),  # per-expert shape
+        # per-expert shape; the list's child named as Parquet names it, so that a table written and
+        # the same table read back serialize alike (an index built and one copied from the cache)
+        pa.field("shape", pa.list_(pa.field("element", pa.int64())), nullable=False),
         pa.field("nbytes", pa.int64(), nullable=False),
         pa.field("digest", pa.binary(16), nullable=False),
         pa.field("chunk_digests", pa.binary(), nullable=True),  # 16 bytes per fingerprint.CHUNK_BYTES chunk

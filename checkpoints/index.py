@@ -138,6 +138,10 @@ def copy_index(src: Path, dst: str | os.PathLike, option: str = "-o", meta: dict
     import pyarrow.parquet as pq
 
     table = pq.ParquetFile(src).read()  # not read_table: its dataset layer imports pandas
+    return write_index(index_with_metadata(table, meta), dst, option)
+
+
+def index_with_metadata(table: pa.Table, meta: dict) -> pa.Table:
+    """The index table with `meta`'s keys merged over its metadata's."""
     merged = {**json.loads(table.schema.metadata[INDEX_META_KEY]), **meta}
-    return write_index(table.replace_schema_metadata({**table.schema.metadata,
-                                                      INDEX_META_KEY: json.dumps(merged).encode()}), dst, option)
+    return table.replace_schema_metadata({**table.schema.metadata, INDEX_META_KEY: json.dumps(merged).encode()})

@@ -25,7 +25,14 @@ import numpy as np
 from moetrace import __version__, outputs
 from moetrace import fingerprint as fpdef
 from moetrace.checkpoints import index_cache, index_cpu, index_tensors
-from moetrace.checkpoints.index import INDEX_FILE, INDEX_META_KEY, copy_index, index_metadata, write_index
+from moetrace.checkpoints.index import (
+    INDEX_FILE,
+    INDEX_META_KEY,
+    copy_index,
+    index_metadata,
+    index_with_metadata,
+    write_index,
+)
 from moetrace.checkpoints.layout import CANONICAL, ServerLayout
 from moetrace.checkpoints.reader import Checkpoint, draft_checkpoint, open_checkpoint, weight_files
 from moetrace.checkpoints.shard_cuts import Parallel, validate_moe_tp
@@ -258,6 +265,16 @@ def cached_index(
 ) -> tuple[Path, bool]:
     """Path of an index for these options, built only when the cache lacks it.
     Returns (path, reused)."""
+    path, built = _cached_or_built(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats, moe_dp_size,
+                                   opened, meanwhile)
+    return path, built is None
+
+
+def _cached_or_built(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats, moe_dp_size, opened,
+                     meanwhile) -> tuple[Path, pa.Table | None]:
+    """cached_index's work: (the cache entry's path, None) on a hit; else the index is built
+    and written there: (its path, the table built), which `make_index` writes to -o as it is
+    rather than reading the entry back."""
     ckpt = opened or open_checkpoint(checkpoint)  # headers only; opened once for the key, layers and build
     resolved = tuple(_resolve_layers(ckpt.spec, layers, checkpoint))
     opts = IndexOptions(tp_size, ep_size, resolved, layout, moe_dp_size)
@@ -271,7 +288,7 @@ def cached_index(
         except MoetraceError as err:
             differs = str(err)
         if differs is None:
-            return path, True
+            return path, None
         _writable_cache()  # the stale entry is replaced: a read-only cache is one line, never a raw OSError
         path.unlink(missing_ok=True)
     stats = stats if stats is not None else IndexStats()
@@ -280,8 +297,7 @@ def cached_index(
     t0 = time.perf_counter()
     write_index(table, path, "MOETRACE_CACHE")
     stats.seconds_write += time.perf_counter() - t0
-    return path, False
-
+    return path, table
 
 
 def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size: int, ep_size: int = 1,
@@ -298,13 +314,15 @@ def make_index(checkpoint: str | os.PathLike, output: str | os.PathLike, tp_size
         outputs.check_output(os.fspath(output), "-o", ours=INDEX_FILE)
 
     if use_cache:
-        cached, reused = cached_index(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats,
-                                      moe_dp_size, opened, replaceable)
+        cached, built = _cached_or_built(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats,
+                                         moe_dp_size, opened, replaceable)
+        reused = built is None
         # the copy names the folder asked for now (the cached file names the one that filled the cache) and the
         # cache entry it came from, which a stale verdict drops (analysis.staleness)
+        meta = {"checkpoint_path": str(Path(checkpoint).resolve()), "cached_as": cached.name}
         t1 = time.perf_counter()
-        path = copy_index(cached, output, meta={"checkpoint_path": str(Path(checkpoint).resolve()),
-                                                "cached_as": cached.name})
+        path = (copy_index(cached, output, meta=meta) if reused
+                else write_index(index_with_metadata(built, meta), output))
     else:
         table, reused = build_index(checkpoint, tp_size, ep_size, layers, layout, device, progress, stats,
                                     moe_dp_size, opened=opened, meanwhile=replaceable), False
