@@ -69,7 +69,8 @@ def verify_hit(index_path: str | os.PathLike, ckpt: Checkpoint, par: Parallel, r
     table = read_index(index_path, columns=_COLUMNS)
     if "chunk_digests" not in table.column_names:
         return "the cached index has no chunk digests"
-    units = distinct_rows(index_path, table, ["model", "layer", "moe_tp_rank", "expert"])
+    coded: dict = {}  # each key column coded once for the sample's lookups
+    units = distinct_rows(index_path, table, ["model", "layer", "moe_tp_rank", "expert"], coded)
     if not units:
         return None
     draft, files = None, FileBytes()  # unmapped when it goes
@@ -81,7 +82,8 @@ def verify_hit(index_path: str | os.PathLike, ckpt: Checkpoint, par: Parallel, r
             if draft is None:
                 return "the cached index has draft rows, the checkpoint has no draft model"
             model_ckpt = draft
-        rows = rows_where(index_path, table, model=model, layer=layer, moe_tp_rank=rank, expert=expert).to_pylist()
+        rows = rows_where(index_path, table, coded, model=model, layer=layer, moe_tp_rank=rank,
+                          expert=expert).to_pylist()
         shards = _shard_reader(model_ckpt, layer, rank, par, expert, files)
         where = f"{'' if model == 'target' else model + ' '}layer {layer} moe_tp_rank {rank} expert {expert}"
         if sorted(shards) != sorted(r["tensor"] for r in rows):

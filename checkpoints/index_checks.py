@@ -180,20 +180,30 @@ def _layer_stats(path, table: pa.Table) -> list[dict]:
             for i, (m, r, layer_id) in enumerate(keys)]
 
 
-def distinct_rows(path, table: pa.Table, cols: list[str]) -> list[dict]:
-    """The distinct combinations of these columns' values, in sorted order of their codes."""
-    coded = [_codes(path, table, c) for c in cols]
+def _coded(path, table: pa.Table, cols: list[str], coded: dict | None) -> list[tuple[np.ndarray, list]]:
+    """_codes of each column, taken from `coded` where it holds them (and kept there)."""
+    coded = {} if coded is None else coded
+    for c in cols:
+        if c not in coded:
+            coded[c] = _codes(path, table, c)
+    return [coded[c] for c in cols]
+
+
+def distinct_rows(path, table: pa.Table, cols: list[str], coded: dict | None = None) -> list[dict]:
+    """The distinct combinations of these columns' values, in sorted order of their codes.
+    coded: the columns' codes kept for later calls on the same table (rows_where)."""
+    coded = _coded(path, table, cols, coded)
     if not table.num_rows:
         return []
     keys = np.unique(np.stack([codes for codes, _ in coded], axis=1), axis=0)
     return [{c: (names[k] if names else int(k)) for c, (_, names), k in zip(cols, coded, key)} for key in keys]
 
 
-def rows_where(path, table: pa.Table, **equal) -> pa.Table:
-    """The rows whose columns equal these values (model by name, ids by number)."""
+def rows_where(path, table: pa.Table, coded: dict | None = None, **equal) -> pa.Table:
+    """The rows whose columns equal these values (model by name, ids by number). coded: as
+    distinct_rows' (a column is coded once however many rows are asked for)."""
     keep = np.ones(table.num_rows, dtype=bool)
-    for col, want in equal.items():
-        codes, names = _codes(path, table, col)
+    for (col, want), (codes, names) in zip(equal.items(), _coded(path, table, list(equal), coded)):
         if names:
             want = names.index(want) if want in names else -1
         keep &= codes == want
