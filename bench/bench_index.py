@@ -1,5 +1,7 @@
 """`moetrace index` as a user runs it (the process, start to exit) against a warm read of
-the same files, in the same run.
+the same files, in the same run: `cat` of the files to /dev/null (a process too), and also
+the fastest one-thread read found here (a reused 1 MiB buffer, in the bench's process).
+The checkpoint is written back to disk (sync) before anything is timed.
 
 Default: three Qwen3.5-122B-sized MoE layers (256 experts, H 3072, I 1024, FP8 with BF16
 block scales: 7.4 GB, two files per layer) at TP2 and TP1, rounds interleaved (read,
@@ -7,9 +9,10 @@ index), medians reported. Each index run is the first of its checkpoint (the ind
 cache holds none of it; the config's answer is cached, as after any earlier run with this
 config.json: the first one reads it through transformers, printed apart). Prints the CPU
 model and flags, where the index's time goes (start-up and imports, the workers' CPU
-seconds hashing contiguous pieces in place and gathering and hashing column cuts, the
-reads being their page faults; the Parquet write), the peak memory of
-the process and its workers, and the process wall of `moetrace --help`, `hook-spec` and a
+seconds reading and hashing contiguous pieces and reading, gathering and hashing column
+cuts; the Parquet write), the peak memory of the process and its workers, the ceiling
+(one process per core reading and hashing every byte, nothing else: with pread and
+through a mapping), and the process wall of `moetrace --help`, `hook-spec` and a
 cache-hit `index` (target <= 0.3 s).
 
     python bench/bench_index.py                  # 3 layers (7.4 GB written to /tmp once), TP2 and TP1, 3 rounds
@@ -80,13 +83,29 @@ def write_checkpoint(root: Path, layers: int, experts: int, hidden: int, inter: 
     return total
 
 
-def read_files_once(root: Path) -> int:
-    total = 0
+def read_with_cat(root: Path) -> tuple[float, float, int]:
+    """The baseline: `cat` of the checkpoint's files to /dev/null, as a user reads them (a
+    process). Returns (wall seconds, CPU seconds, bytes)."""
+    files = sorted(root.glob("*.safetensors"))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(["cat", *map(str, files)], stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit("cat of the checkpoint's files failed")
+    return wall, usage.ru_utime + usage.ru_stime, sum(f.stat().st_size for f in files)
+
+
+def read_fastest(root: Path) -> float:
+    """The fastest one-thread read found here: every file read into one reused 1 MiB buffer
+    (stays in cache; `cat` copies 128 KiB at a time and writes each to /dev/null). Seconds."""
+    view = memoryview(bytearray(1 << 20))
+    t0 = time.perf_counter()
     for f in sorted(root.glob("*.safetensors")):
         with open(f, "rb", buffering=0) as fh:
-            while chunk := fh.read(16 << 20):
-                total += len(chunk)
-    return total
+            while fh.readinto(view):
+                pass
+    return time.perf_counter() - t0
 
 
 def _moetrace() -> list[str]:
@@ -155,12 +174,12 @@ def run_process(cmd: list[str], env: dict) -> dict:
 
 def bench_tp(root: Path, tp: int, rounds: int, env: dict, out: Path) -> dict:
     cache = Path(env["MOETRACE_CACHE"]) / "index"
-    reads, read_cpu, runs = [], [], []
+    reads, read_cpu, fastest, runs = [], [], [], []
     for _ in range(rounds):
-        t0, c0 = time.perf_counter(), time.process_time()
-        nbytes = read_files_once(root)
-        reads.append(time.perf_counter() - t0)
-        read_cpu.append(time.process_time() - c0)
+        wall, cpu, nbytes = read_with_cat(root)
+        reads.append(wall)
+        read_cpu.append(cpu)
+        fastest.append(read_fastest(root))
         shutil.rmtree(cache, ignore_errors=True)  # the checkpoint's first index
         runs.append(run_process(_moetrace() + ["index", str(root), "--tp", str(tp), "-o", str(out), "--json"], env))
     summary = [json.loads(r["stdout"]) for r in runs]
@@ -174,6 +193,8 @@ def bench_tp(root: Path, tp: int, rounds: int, env: dict, out: Path) -> dict:
         "read_GBps": round(nbytes / median(reads) / 1e9, 2), "index_GBps": round(nbytes / median(walls) / 1e9, 2),
         "index_vs_read": round(median([r / w for r, w in zip(reads, walls)]), 3),
         "index_vs_read_rounds": [round(r / w, 3) for r, w in zip(reads, walls)],
+        "fastest_read_s": round(median(fastest), 3),
+        "index_vs_fastest_read": round(median([r / w for r, w in zip(fastest, walls)]), 3),
         "cores_busy": round(runs[pick]["cpu_s"] / walls[pick], 2),
         "read_cpu_s": round(median(read_cpu), 3), "index_cpu_s": round(median([r["cpu_s"] for r in runs]), 3),
         "startup_imports_exit_s": round(walls[pick] - s["seconds"], 3),
@@ -181,6 +202,63 @@ def bench_tp(root: Path, tp: int, rounds: int, env: dict, out: Path) -> dict:
         "peak_anon_mib": round(max(r["peak_anon_mib"] for r in runs)),
         "peak_rss_mib": round(max(r["peak_rss_mib"] for r in runs)),
     }
+
+
+def _hash_files(files: list[Path], how: str) -> None:
+    """Every 64 KiB chunk of the files hashed, read with pread into a reused 1 MiB buffer or
+    through a read-only mapping."""
+    import mmap
+
+    import xxhash
+
+    chunk, digest = 64 << 10, xxhash.xxh3_128_digest
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            if how == "mapped":
+                m = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
+                mv = memoryview(m)
+                for i in range(0, len(m), chunk):
+                    digest(mv[i:i + chunk])
+                mv.release()
+                m.close()
+                continue
+            offset = 0
+            while n := os.preadv(fd, [view], offset):
+                for i in range(0, n, chunk):
+                    digest(view[i:min(i + chunk, n)])
+                offset += n
+        finally:
+            os.close(fd)
+
+
+def bench_ceiling(root: Path, rounds: int) -> dict:
+    """What one process per core reaches reading and hashing every byte of the files (no
+    plans, no column cuts, no start-up), against the read in the same round: the most any
+    index process could reach on this machine, each way of reading."""
+    files = sorted(root.glob("*.safetensors"))
+    cores = len(os.sched_getaffinity(0))
+    ratios = {"pread": [], "mapped": []}
+    for _ in range(rounds):
+        for how in ratios:
+            read = read_with_cat(root)[0]
+            t0 = time.perf_counter()
+            pids = []
+            for w in range(cores):
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        _hash_files(files[w::cores], how)
+                    finally:
+                        os._exit(0)
+                pids.append(pid)
+            for pid in pids:
+                os.waitpid(pid, 0)
+            ratios[how].append(read / (time.perf_counter() - t0))
+    return {"processes": cores, **{f"{k}_vs_read": round(median(v), 3) for k, v in ratios.items()},
+            **{f"{k}_vs_read_rounds": [round(x, 2) for x in v] for k, v in ratios.items()}}
 
 
 def bench_light(root: Path, env: dict, tmp: Path, repeats: int) -> dict:
@@ -223,17 +301,19 @@ def main() -> None:
         t0 = time.perf_counter()
         nbytes = write_checkpoint(root, layers, experts, args.hidden, args.intermediate)
         t_write = time.perf_counter() - t0
+        os.sync()  # written back before anything is timed: the kernel's flusher would share the cores
         env = {**os.environ, "MOETRACE_CACHE": str(tmp / "cache"), "PYTHONUNBUFFERED": "1"}
         # As installed: pip compiles a package's bytecode at install; with PYTHONDONTWRITEBYTECODE
         # set (as on these machines) every process would compile moetrace's ~250 modules again.
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         first = run_process(_moetrace() + ["index", str(root), "--tp", "2", "-o", str(tmp / "first.parquet"),
                                            "--json"], env)  # reads the config through transformers, once
-        read_files_once(root)
+        read_with_cat(root)
         result = {"cpu": cpu_description(), "layers": layers, "experts": experts, "hidden": args.hidden,
                   "intermediate": args.intermediate, "checkpoint_bytes": nbytes, "write_s": round(t_write, 1),
                   "first_run_with_transformers_s": round(first["wall_s"], 3),
                   "tp": [bench_tp(root, int(tp), rounds, env, tmp / f"tp{tp}.parquet") for tp in args.tp.split(",")]}
+        result["ceiling"] = bench_ceiling(root, rounds)
         result["light"] = bench_light(root, env, tmp, 5)
         result["load_average"] = os.getloadavg()
     finally:
@@ -248,16 +328,21 @@ def main() -> None:
           f"load average {result['load_average'][0]:.1f}")
     for r in result["tp"]:
         t = r["timings"]
-        print(f"TP{r['tp']}: read the files once {r['read_s']:.2f} s ({r['read_GBps']:.1f} GB/s); moetrace index "
+        print(f"TP{r['tp']}: cat of the files {r['read_s']:.2f} s ({r['read_GBps']:.1f} GB/s); moetrace index "
               f"process {r['index_s']:.2f} s ({r['index_GBps']:.1f} GB/s) = {r['index_vs_read']:.2f}x the read "
-              f"(rounds {r['index_vs_read_rounds']}); {r['cores_busy']:.2f} cores busy; CPU seconds: read "
+              f"(rounds {r['index_vs_read_rounds']}), {r['index_vs_fastest_read']:.2f}x the fastest one-thread read "
+              f"({r['fastest_read_s']:.2f} s); {r['cores_busy']:.2f} cores busy; CPU seconds: cat "
               f"{r['read_cpu_s']:.2f}, index {r['index_cpu_s']:.2f} (with its workers)")
         print(f"  where it goes: start-up, imports, exit {r['startup_imports_exit_s']:.2f} s; build "
-              f"{t['build_s']:.2f} s on {t['workers']} worker(s), their CPU seconds: contiguous pieces hashed in "
-              f"place {t.get('in_place_s', 0):.2f}, column cuts gathered and hashed {t.get('column_cuts_s', 0):.2f} "
-              f"(page faults included); Parquet write and copy {t['write_s']:.2f} s")
+              f"{t['build_s']:.2f} s on {t['workers']} worker(s), their CPU seconds: contiguous pieces read and "
+              f"hashed {t.get('in_place_s', 0):.2f}, column cuts read, gathered and hashed "
+              f"{t.get('column_cuts_s', 0):.2f}; Parquet write and copy {t['write_s']:.2f} s")
         print(f"  peak memory of the process and its workers: {r['peak_anon_mib']} MiB own (anonymous), "
-              f"{r['peak_rss_mib']} MiB resident with the mapped file pages")
+              f"{r['peak_rss_mib']} MiB resident (with any file pages mapped)")
+    c = result["ceiling"]
+    print(f"ceiling: {c['processes']} processes reading and hashing every byte (no plans, no cuts, no start-up): "
+          f"with pread {c['pread_vs_read']:.2f}x the read (rounds {c['pread_vs_read_rounds']}), through a mapping "
+          f"{c['mapped_vs_read']:.2f}x (rounds {c['mapped_vs_read_rounds']})")
     light = result["light"]
     print(f"process wall: moetrace --help {light['help_s']:.3f} s, hook-spec {light['hook_spec_s']:.3f} s, index "
           f"from the cache {light['index_cache_hit_s']:.3f} s (python + the index's imports alone "
