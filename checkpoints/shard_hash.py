@@ -54,6 +54,7 @@ class FileBytes:
         self._maps: list[mmap.mmap] = []
         self._fds: dict[Path, int] = {}
         self._unmappable: set[Path] = set()
+        self._pays: dict[Path, bool] = {}  # mapping_pays' answers, without a stat per piece
         self._buffer = np.empty(0, dtype=np.uint8)
 
     def read_into(self, path: Path, offset: int, out: np.ndarray) -> np.ndarray:
@@ -78,6 +79,8 @@ class FileBytes:
         (0.130 against 0.169 s). Asked once per file and process: PROBES points of it are
         touched through a mapping and the process's FilePmdMapped must grow by 2 MiB for
         at least half of them. Without /proc (or a mapping): read."""
+        if path in self._pays:
+            return self._pays[path]
         try:
             st = os.fstat(self._fd(path))
         except MoetraceError:
@@ -85,6 +88,7 @@ class FileBytes:
         key = (path, st.st_size, st.st_mtime_ns)
         if key not in _PAYS:
             _PAYS[key] = self._probe(path, st.st_size)
+        self._pays[path] = _PAYS[key]
         return _PAYS[key]
 
     def _probe(self, path: Path, size: int) -> bool:
@@ -298,14 +302,12 @@ class ChunkHasher:
 
     def _piece(self, s: _Stream, p: Piece, files: FileBytes) -> str:
         if p.file is not None and p.cast is None and (p.rows == 1 or (p.width == p.stride and not p.pad)):
-            pos, end = p.offset, p.offset + p.rows * p.width
+            end = p.offset + p.rows * p.width
             if files.mapping_pays(p.file):
-                s.in_place(files.region(p.file, pos, end - pos))
-                pos = end
-            while pos < end:  # a read's worth at a time: its whole chunks hashed where they landed
-                n = min(len(self._read), end - pos)
-                s.in_place(files.read_into(p.file, pos, self._read[:n]))
-                pos += n
+                s.in_place(files.region(p.file, p.offset, end - p.offset))
+            else:  # a read's worth at a time: its whole chunks hashed where they landed
+                for pos in range(p.offset, end, len(self._read)):
+                    s.in_place(files.read_into(p.file, pos, self._read[:min(len(self._read), end - pos)]))
             if p.pad:
                 s.zeros(p.pad)
             return "in_place"
